@@ -1,0 +1,38 @@
+"""autoflat: fast JAX training steps, generated from the step you already have.
+
+`@autoflat.step(num_steps=k)` turns an update function into one whose model and optimizer
+state cross the `jax.jit` boundary as cached structures plus flat leaf lists, runs k steps per
+call in a `lax.scan`, and returns lazy handles that rebuild modules only when used.
+`autoflat.show(fn)` prints the generated code that actually runs.
+"""
+
+import importlib.metadata
+
+from ._api import clear_caches as clear_caches
+from ._api import show as show
+from ._api import stats as stats
+from ._api import step as step
+from ._errors import AutoflatError as AutoflatError
+from ._handles import is_handle as is_handle
+from ._handles import unwrap as unwrap
+from ._runtime import AutoflatRecompileWarning as AutoflatRecompileWarning
+from ._runtime import Stats as Stats
+from ._runtime import Step as Step
+
+try:
+    __version__ = importlib.metadata.version("autoflat")
+except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a checkout
+    __version__ = "0.0.0"
+
+__all__ = [
+    "AutoflatError",
+    "AutoflatRecompileWarning",
+    "Stats",
+    "Step",
+    "clear_caches",
+    "is_handle",
+    "show",
+    "stats",
+    "step",
+    "unwrap",
+]

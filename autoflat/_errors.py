@@ -1,0 +1,141 @@
+"""The one error family of autoflat, and the long messages it raises with.
+
+Every message names the user's function, file and line, says what is wrong, and shows code
+that works. Long messages live here as module-level templates so they can be read (and tested)
+in one place.
+"""
+
+from __future__ import annotations
+
+
+class AutoflatError(Exception):
+    """Raised for anything autoflat cannot do with the function or values it was given.
+
+    The caller's model and optimizer state are never consumed when this is raised: they can be
+    passed again, to the fixed step or to `jax.jit`.
+    """
+
+
+def where(filename: str, line: int) -> str:
+    """`file:line` as shown in messages (the file's base name keeps messages short)."""
+    return f"{filename}:{line}"
+
+
+NO_SOURCE = """\
+autoflat cannot read the source of `{name}` (defined at {where}): {reason}.
+
+autoflat rewrites the Python source of the step function, so it needs a function defined with
+`def` in a file (not a lambda, not code typed at a REPL or run through `exec`). Write it as:
+
+    @autoflat.step(num_steps=10)
+    def update(model, opt_state, batch):
+        ...
+        return model, opt_state, loss
+"""
+
+UNSUPPORTED = """\
+`{name}` ({where}) uses {construct}, which autoflat cannot run inside a compiled step.
+
+{advice}"""
+
+UNSUPPORTED_ADVICE = {
+    "yield": "A step function runs once per step and returns its results: replace `yield` by "
+    "`return`, and build any sequence of per-step values as the step's outputs (autoflat "
+    "stacks them along a leading axis).",
+    "async": "A step function must be an ordinary `def`: remove `async`/`await` (JAX dispatch "
+    "is already asynchronous).",
+    "global": "Writing module globals from a compiled step happens only while tracing, not on "
+    "every step. Return the value instead:\n\n    return model, opt_state, new_value",
+    "nonlocal": "Writing a variable of an enclosing function from a compiled step happens only "
+    "while tracing, not on every step. Return the value instead:\n\n"
+    "    return model, opt_state, new_value",
+    "varargs": "Name every argument of the step explicitly:\n\n"
+    "    def update(model, opt_state, batch, key): ...",
+}
+
+RETURNS_DISAGREE = """\
+The `return` statements of `{name}` disagree: {first} but {second}.
+
+autoflat needs every `return` of a step function to have the same shape, with the state it
+carries from step to step at the same positions, for example:
+
+    if cond:
+        return model, opt_state, loss
+    return model, opt_state, jnp.zeros_like(loss)
+"""
+
+BAD_OPTION = """\
+`autoflat.step(...)` for `{name}` ({where}): {what}.
+
+The parameters of `{name}` are: {params}.
+"""
+
+ROLE_CONFLICT = """\
+`autoflat.step(...)` for `{name}` ({where}): parameter `{param}` is given two roles, \
+{first} and {second}. Give each parameter at most one of state=, broadcast=, static_argnames=.
+"""
+
+STATE_NOT_CARRIED = """\
+`{param}` of `{name}` ({where}) is named in state= but autoflat cannot carry it from step to \
+step: it is not returned by name, not assigned into, and not a mutable module.
+
+Return it by name at the top level of every `return`:
+
+    return {param}, loss
+"""
+
+BAD_CALL = """\
+Calling `{name}` ({where}): {reason}.
+
+Its signature is `{name}{signature}`.
+"""
+
+UNHASHABLE_STATIC = """\
+Calling `{name}` ({where}): static argument `{param}` got a value of type {type} that cannot \
+be hashed, so it cannot select a compiled version. Pass a hashable value (a tuple instead of a \
+list, a frozen dataclass instead of a dict), or pass it as an array-valued argument instead of \
+naming it in static_argnames=.
+"""
+
+BAD_SCAN_LENGTH = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: {reason}.
+
+Per-step inputs (here: {scanned}) carry a leading axis with one entry per step, so for
+num_steps={num_steps} stack {num_steps} batches:
+
+    batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[batch_0, ..., batch_{last}])
+
+A final chunk may be shorter than num_steps (it runs that many steps). Arguments that stay the
+same for every step of a call belong in broadcast=.
+"""
+
+STRUCTURE_CHANGED = """\
+`{name}` ({where}) changed the structure of its state `{param}` within one call:
+{diff}
+
+With num_steps={num_steps} the steps of one call run in a `lax.scan`, whose carried state must
+keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed
+(for example, store counters as arrays: `jnp.asarray(0)` rather than `0`), or use num_steps=1,
+where the structure may change between calls.
+"""
+
+CONSUMED = """\
+This `{param}` was consumed by call {call} of `{name}` ({where}): its buffers were donated to \
+that call, which updated them in place. Use the value that call returned instead:
+
+    {param}, ... = {name}({param}, ...)
+
+To keep an independent copy before the call, use `copy.deepcopy({param})` (or
+`jax.tree.map(jnp.copy, autoflat.unwrap({param}))`), or decorate with
+`@autoflat.step(..., donate=False)`.
+"""
+
+CANNOT_WRITE_BACK = """\
+`{name}` ({where}) mutates its argument `{param}` without returning it, so autoflat writes the \
+updated value back into the caller's object, but the part at `{path}` is immutable \
+({type}). Return `{param}` from the step instead:
+
+    return {param}, ...
+"""
+
+USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"

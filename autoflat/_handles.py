@@ -1,0 +1,230 @@
+"""Lazy handles: returned state that rebuilds the real object only when it is used.
+
+A handle holds (structure, array leaves) straight from a compiled call. It rebuilds the real
+object with `tree_unflatten` on first access (attribute, call, `repr`, pickling, iteration,
+`autoflat.unwrap`), once, and otherwise behaves as that object: `isinstance` sees its class,
+and JAX sees the same leaves (it is a pytree node that flattens to them without a rebuild).
+
+Passing an unrebuilt handle back into a step is the fast path: its leaves are used as they
+are, with no flatten and no structure comparison beyond identity. A handle whose buffers were
+donated to a later call is *consumed*: using it raises a clear `AutoflatError`.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from typing import Any
+
+import jax
+
+from ._errors import CONSUMED, AutoflatError
+from ._structure import Placement, Structure, flatten
+
+
+class Origin:
+    """Who produced a handle: for error messages and rebuild counters."""
+
+    __slots__ = ("name", "where", "stats")
+
+    def __init__(self, name: str, where: str, stats: Any) -> None:
+        self.name = name
+        self.where = where
+        self.stats = stats
+
+
+class LazyHandle:
+    """A state value returned by an autoflat step; behaves as the object it stands for."""
+
+    __slots__ = ("_af_structure", "_af_arrays", "_af_placement", "_af_obj", "_af_origin",
+                 "_af_param", "_af_consumed_by", "__weakref__")
+
+    _af_structure: Structure
+    _af_arrays: list[Any]
+    _af_placement: Placement | None
+    _af_obj: Any
+    _af_origin: Origin | None
+    _af_param: str
+    _af_consumed_by: int
+
+    def __init__(
+        self,
+        structure: Structure,
+        arrays: list[Any],
+        placement: Placement | None = None,
+        origin: Origin | None = None,
+        param: str = "state",
+    ) -> None:
+        set_ = object.__setattr__
+        set_(self, "_af_structure", structure)
+        set_(self, "_af_arrays", arrays)
+        set_(self, "_af_placement", placement)
+        set_(self, "_af_obj", _UNBUILT)
+        set_(self, "_af_origin", origin)
+        set_(self, "_af_param", param)
+        set_(self, "_af_consumed_by", 0)
+
+    # --- the real object -------------------------------------------------------------------
+    def _af_check(self) -> None:
+        call = object.__getattribute__(self, "_af_consumed_by")
+        if call:
+            origin = object.__getattribute__(self, "_af_origin")
+            raise AutoflatError(
+                CONSUMED.format(
+                    param=object.__getattribute__(self, "_af_param"),
+                    call=call,
+                    name=origin.name if origin else "step",
+                    where=origin.where if origin else "?",
+                )
+            )
+
+    def _af_get(self) -> Any:
+        """The real object, rebuilt once."""
+        obj = object.__getattribute__(self, "_af_obj")
+        if obj is _UNBUILT:
+            LazyHandle._af_check(self)
+            structure = object.__getattribute__(self, "_af_structure")
+            obj = structure.unflatten(object.__getattribute__(self, "_af_arrays"))
+            object.__setattr__(self, "_af_obj", obj)
+            origin = object.__getattribute__(self, "_af_origin")
+            if origin is not None:
+                origin.stats.rebuilds += 1
+        elif object.__getattribute__(self, "_af_consumed_by"):
+            LazyHandle._af_check(self)
+        return obj
+
+    def _af_leaves(self) -> tuple[Structure, list[Any]]:
+        """(structure, arrays) for JAX, without a rebuild unless the object may have changed."""
+        LazyHandle._af_check(self)
+        obj = object.__getattribute__(self, "_af_obj")
+        structure = object.__getattribute__(self, "_af_structure")
+        if obj is _UNBUILT or structure.immutable:
+            return structure, object.__getattribute__(self, "_af_arrays")
+        return flatten(obj)
+
+    # --- behave as the object --------------------------------------------------------------
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # noqa: D105
+        structure = object.__getattribute__(self, "_af_structure")
+        root = structure.root_type
+        if root is not None:
+            return root
+        return type(LazyHandle._af_get(self))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(LazyHandle._af_get(self), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(LazyHandle._af_get(self), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(LazyHandle._af_get(self), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(LazyHandle._af_get(self))
+
+    def __repr__(self) -> str:
+        return repr(LazyHandle._af_get(self))
+
+    def __str__(self) -> str:
+        return str(LazyHandle._af_get(self))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return LazyHandle._af_get(self)(*args, **kwargs)
+
+    def __eq__(self, other: object) -> Any:
+        return LazyHandle._af_get(self) == unwrap(other)
+
+    def __ne__(self, other: object) -> Any:
+        return LazyHandle._af_get(self) != unwrap(other)
+
+    def __hash__(self) -> int:
+        return hash(LazyHandle._af_get(self))
+
+    def __bool__(self) -> bool:
+        return bool(LazyHandle._af_get(self))
+
+    def __len__(self) -> int:
+        return len(LazyHandle._af_get(self))
+
+    def __iter__(self) -> Any:
+        return iter(LazyHandle._af_get(self))
+
+    def __contains__(self, item: Any) -> bool:
+        return item in LazyHandle._af_get(self)
+
+    def __getitem__(self, key: Any) -> Any:
+        return LazyHandle._af_get(self)[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        LazyHandle._af_get(self)[key] = value
+
+    def __delitem__(self, key: Any) -> None:
+        del LazyHandle._af_get(self)[key]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickles as the real object: unpickling needs no autoflat.
+        return LazyHandle._af_get(self).__reduce_ex__(protocol)
+
+    def __copy__(self) -> Any:
+        return _copy.copy(LazyHandle._af_get(self))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return _copy.deepcopy(LazyHandle._af_get(self), memo)
+
+
+class _Unbuilt:
+    def __repr__(self) -> str:
+        return "<unbuilt>"
+
+
+_UNBUILT = _Unbuilt()
+
+
+def _flatten_handle(h: LazyHandle) -> tuple[list[Any], Any]:
+    structure, arrays = LazyHandle._af_leaves(h)
+    return structure.all_leaves(arrays), structure.treedef
+
+
+def _unflatten_handle(treedef: Any, leaves: Any) -> Any:
+    return treedef.unflatten(leaves)
+
+
+jax.tree_util.register_pytree_node(LazyHandle, _flatten_handle, _unflatten_handle)
+
+
+def unwrap(x: Any) -> Any:
+    """Return the real object(s) behind autoflat's lazy handles.
+
+    **Arguments:**
+
+    - `x`: a handle, or any value; tuples, lists and dicts are unwrapped element by element.
+
+    **Returns:**
+
+    `x` with every handle replaced by the object it stands for (rebuilt once, if needed).
+
+    **Raises:**
+
+    `AutoflatError` if a handle was consumed by a later call that donated its buffers.
+
+    ```python
+    >>> import autoflat
+    >>> autoflat.unwrap((1, [2]))
+    (1, [2])
+
+    ```
+    """
+    if type(x) is LazyHandle:
+        return LazyHandle._af_get(x)
+    if type(x) is tuple:
+        return tuple(unwrap(v) for v in x)
+    if type(x) is list:
+        return [unwrap(v) for v in x]
+    if type(x) is dict:
+        return {k: unwrap(v) for k, v in x.items()}
+    return x
+
+
+def is_handle(x: Any) -> bool:
+    """Whether `x` is an autoflat lazy handle (`isinstance` sees the wrapped class instead)."""
+    return type(x) is LazyHandle

@@ -1,0 +1,141 @@
+"""Stage 4: compile generated code, make it visible to tracebacks/pdb, and bind it live.
+
+The generated module is compiled under a descriptive file name such as
+`<autoflat:update:0 from train.py:31>` and registered with `linecache`, so tracebacks,
+`inspect` and pdb show its lines. The generated function is built from the factory's inner
+code object with the user's own `__globals__` (live: later assignments are seen) and the
+user's original closure cells (live too); autoflat's helpers get fresh cells.
+
+Errors raised inside the user's body get their traceback entries rewritten to the user's file
+and line (the technique Jinja uses for templates), plus a note that names both.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._codegen import GeneratedCode
+from ._errors import USER_ERROR_NOTE, where
+
+_registered: set[str] = set()
+
+
+def filename_for(name: str, index: int, user_file: str, line: int) -> str:
+    return f"<autoflat:{name}:{index} from {os.path.basename(user_file)}:{line}>"
+
+
+def load(
+    generated: GeneratedCode,
+    user_fn: Callable[..., Any],
+    helpers: Mapping[str, Any],
+    filename: str,
+) -> types.FunctionType:
+    """Compile `generated` and return its step function, bound to `user_fn`'s live globals
+    and closure cells.
+
+    **Arguments:**
+
+    - `generated`: the `GeneratedCode`.
+    - `user_fn`: the user's (unwrapped) function.
+    - `helpers`: helper role -> object, for the names in `generated.helpers`.
+    - `filename`: the file name to compile under (registered with `linecache`).
+    """
+    source = generated.source
+    code = compile(source, filename, "exec", dont_inherit=True)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    _registered.add(filename)
+
+    factory = _find_code(code, generated.factory)
+    inner = _find_code(factory, generated.function)
+    values: dict[str, Any] = {generated.helpers[k]: v for k, v in helpers.items()}
+    user_cells = dict(
+        zip(user_fn.__code__.co_freevars, user_fn.__closure__ or (), strict=True)  # type: ignore[attr-defined]
+    )
+    cells = []
+    for name in inner.co_freevars:
+        if name in values:
+            cells.append(types.CellType(values[name]))
+        elif name in user_cells:
+            cells.append(user_cells[name])
+        else:  # pragma: no cover - the generator only references these two kinds
+            raise RuntimeError(f"autoflat: unexpected free variable {name!r} in generated code")
+    fn = types.FunctionType(
+        inner,
+        user_fn.__globals__,  # type: ignore[attr-defined]
+        generated.function,
+        None,
+        tuple(cells),
+    )
+    fn.__qualname__ = getattr(user_fn, "__qualname__", generated.function)
+    fn.__module__ = getattr(user_fn, "__module__", None)  # type: ignore[assignment]
+    return fn
+
+
+def _find_code(code: types.CodeType, name: str) -> types.CodeType:
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType) and c.co_name == name:
+            return c
+    raise RuntimeError(f"autoflat: no code object {name!r} in generated module")  # pragma: no cover
+
+
+def clear() -> None:
+    for f in _registered:
+        linecache.cache.pop(f, None)
+    _registered.clear()
+
+
+def _fake_frame_tb(filename: str, line: int, funcname: str) -> types.TracebackType | None:
+    """A traceback entry whose frame claims to run `funcname` at `filename:line`."""
+    code = compile("\n" * (line - 1) + "raise __autoflat_marker__", filename, "exec")
+    code = code.replace(co_name=funcname)
+    try:
+        exec(code, {"__autoflat_marker__": _Marker()})
+    except _Marker:
+        tb = sys.exc_info()[2]
+        return tb.tb_next if tb is not None else None
+    return None  # pragma: no cover
+
+
+class _Marker(Exception):
+    pass
+
+
+def rewrite_traceback(
+    exc: BaseException,
+    generated: GeneratedCode,
+    filename: str,
+    user_file: str,
+    funcname: str,
+    qualname: str,
+) -> None:
+    """Point the traceback entries of the user's body at the user's file and line, and add a
+    note naming the line."""
+    tb = exc.__traceback__
+    entries = []
+    user_line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            mapped = generated.user_line(tb.tb_lineno)
+            if mapped is not None:
+                user_line = mapped
+                fake = _fake_frame_tb(user_file, mapped, tb.tb_frame.f_code.co_name)
+                if fake is not None:
+                    entries.append((fake.tb_frame, fake.tb_lasti, fake.tb_lineno))
+                    tb = tb.tb_next
+                    continue
+        entries.append((tb.tb_frame, tb.tb_lasti, tb.tb_lineno))
+        tb = tb.tb_next
+    if user_line is None:
+        return
+    new_tb = None
+    for frame, lasti, lineno in reversed(entries):
+        new_tb = types.TracebackType(new_tb, frame, lasti, lineno)
+    exc.__traceback__ = new_tb
+    note = USER_ERROR_NOTE.format(name=qualname, where=where(user_file, user_line))
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)

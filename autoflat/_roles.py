@@ -1,0 +1,212 @@
+"""Stage 2: give every parameter a role, from the analysis, the options and run-time types.
+
+- *state*: carried from step to step, crossing the jit boundary as leaves of a cached
+  structure. A parameter is state if every `return` returns it by name at the same position,
+  if the body assigns into it, if its run-time value is a mutable module object, or if the user
+  names it in `state=`.
+- *scanned*: per-step data with a leading axis of `num_steps` (or, with `num_steps=1`, the
+  per-call input as it is).
+- *broadcast*: the same value for every step of one call.
+- *static*: a hashable Python value that selects a compiled version.
+
+Returned values that are not state are per-step outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Literal
+
+from ._analysis import Analysis
+from ._errors import BAD_OPTION, RETURNS_DISAGREE, ROLE_CONFLICT, AutoflatError
+
+Role = Literal["state", "scanned", "broadcast", "static"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The role options a user gave `autoflat.step`."""
+
+    state: frozenset[str] = frozenset()
+    broadcast: frozenset[str] = frozenset()
+    static: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the user's return value is assembled from carried state and per-step outputs.
+
+    `entries` has one item per returned element: `("state", i)` for the i-th state parameter,
+    `("out", j)` for the j-th per-step output.
+    """
+
+    kind: Literal["none", "single", "tuple"]
+    entries: tuple[tuple[Literal["state", "out"], int], ...]
+
+    @property
+    def n_outputs(self) -> int:
+        return sum(1 for k, _ in self.entries if k == "out")
+
+
+@dataclasses.dataclass(frozen=True)
+class Roles:
+    """The role of every parameter (in signature order) and the return layout."""
+
+    params: tuple[str, ...]
+    roles: tuple[Role, ...]
+    reasons: tuple[str, ...]
+    layout: Layout
+
+    def of(self, role: Role) -> tuple[str, ...]:
+        return tuple(p for p, r in zip(self.params, self.roles, strict=True) if r == role)
+
+    @property
+    def state(self) -> tuple[str, ...]:
+        return self.of("state")
+
+    @property
+    def returned_state(self) -> tuple[str, ...]:
+        state = self.state
+        return tuple(state[i] for k, i in self.layout.entries if k == "state")
+
+    @property
+    def written_back(self) -> tuple[str, ...]:
+        """State parameters that are not returned: the caller's objects are updated in place."""
+        returned = set(self.returned_state)
+        return tuple(p for p in self.state if p not in returned)
+
+
+def is_mutable_module(value: Any) -> bool:
+    """Whether `value` is a module object that steps mutate in place (Flax NNX objects).
+
+    Checked without importing any library the user has not imported.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+    return base is not None and isinstance(value, base)
+
+
+def check_options(analysis: Analysis, options: Options) -> None:
+    """Raise a clear error for option names that are not parameters or conflict."""
+    names = set(analysis.param_names)
+    seen: dict[str, str] = {}
+    for label, group in (
+        ("state=", options.state),
+        ("broadcast=", options.broadcast),
+        ("static_argnames=", options.static),
+    ):
+        for p in sorted(group):
+            if p not in names:
+                raise AutoflatError(
+                    BAD_OPTION.format(
+                        name=analysis.name,
+                        where=analysis.where,
+                        what=f"{label} names `{p}`, which is not a parameter",
+                        params=", ".join(analysis.param_names) or "(none)",
+                    )
+                )
+            if p in seen:
+                raise AutoflatError(
+                    ROLE_CONFLICT.format(
+                        name=analysis.name,
+                        where=analysis.where,
+                        param=p,
+                        first=seen[p],
+                        second=label,
+                    )
+                )
+            seen[p] = label
+
+
+def assign_roles(
+    analysis: Analysis, options: Options, mutable_at_run_time: frozenset[str] = frozenset()
+) -> Roles:
+    """Combine source analysis, explicit options and run-time types into `Roles`.
+
+    **Arguments:**
+
+    - `analysis`: the step function's `Analysis`.
+    - `options`: explicit role options.
+    - `mutable_at_run_time`: parameters whose values in this call are mutable module objects.
+
+    **Returns:**
+
+    A `Roles` value.
+
+    **Raises:**
+
+    `AutoflatError` when returns disagree about which state they return.
+    """
+    check_options(analysis, options)
+    params = analysis.param_names
+    explicit = options.broadcast | options.static
+    returns = analysis.returns
+    first = returns[0] if returns else None
+
+    # Positions that return a parameter by name in every return statement.
+    returned_at: dict[str, int] = {}
+    if first is not None and first.kind != "none":
+        for pos, name in enumerate(first.names):
+            if name is None or name not in params or name in explicit or name in returned_at:
+                continue
+            for r in returns[1:]:
+                if r.names[pos] != name:
+                    raise AutoflatError(
+                        RETURNS_DISAGREE.format(
+                            name=analysis.name, first=first.describe(), second=r.describe()
+                        )
+                    )
+            returned_at[name] = pos
+        # A parameter returned by name somewhere else in a later return is a disagreement.
+        for r in returns[1:]:
+            for pos, name in enumerate(r.names):
+                if name in returned_at and returned_at[name] != pos:
+                    raise AutoflatError(
+                        RETURNS_DISAGREE.format(
+                            name=analysis.name, first=first.describe(), second=r.describe()
+                        )
+                    )
+
+    assigned_line = dict(analysis.assigned_lines)
+    roles: list[Role] = []
+    reasons: list[str] = []
+    for p in params:
+        if p in options.static:
+            roles.append("static")
+            reasons.append("static_argnames=")
+        elif p in options.broadcast:
+            roles.append("broadcast")
+            reasons.append("broadcast=")
+        elif p in returned_at:
+            roles.append("state")
+            reasons.append("returned")
+        elif p in options.state:
+            roles.append("state")
+            reasons.append("state=")
+        elif p in analysis.assigned:
+            roles.append("state")
+            reasons.append(f"assigned into at line {assigned_line[p]}")
+        elif p in mutable_at_run_time:
+            roles.append("state")
+            reasons.append("mutable module at run time")
+        else:
+            roles.append("scanned")
+            reasons.append("per-step input")
+
+    state = [p for p, r in zip(params, roles, strict=True) if r == "state"]
+    entries: list[tuple[Literal["state", "out"], int]] = []
+    out_index = 0
+    kind = first.kind if first is not None else "none"
+    if first is not None:
+        for pos, name in enumerate(first.names):
+            if name is not None and returned_at.get(name) == pos:
+                entries.append(("state", state.index(name)))
+            else:
+                entries.append(("out", out_index))
+                out_index += 1
+    return Roles(
+        params=params, roles=tuple(roles), reasons=tuple(reasons), layout=Layout(kind, tuple(entries))
+    )

@@ -1,0 +1,651 @@
+"""Stage 5: the runtime. Compiled-function cache, the call path, and the in-trace helpers.
+
+The call path of a decorated step:
+
+- *fast path*: a state argument that is an unconsumed lazy handle costs O(1) Python work:
+  its interned structure and leaf list are used as they are (no `tree_flatten`, no treedef
+  comparison beyond identity);
+- *slow path*: anything else is flattened once and its structure interned; with donation on,
+  its leaves are copied first, so the caller's own buffers are never donated;
+- outputs are wrapped in lazy handles without unflattening.
+
+Everything static about a call (structures, placements, static arguments, the generated
+program) is one interned `CallSpec`, the static argument of a single `jax.jit`, so JAX's own
+cache gives one compile per distinct (structures, static args, input shapes, chunk length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _loading, _structure
+from ._analysis import Analysis, analyse, unwrap_function
+from ._codegen import GeneratedCode, generate
+from ._errors import (
+    BAD_CALL,
+    BAD_SCAN_LENGTH,
+    CANNOT_WRITE_BACK,
+    STRUCTURE_CHANGED,
+    UNHASHABLE_STATIC,
+    AutoflatError,
+)
+from ._handles import _UNBUILT, LazyHandle, Origin
+from ._roles import Options, Roles, assign_roles, check_options, is_mutable_module
+from ._structure import FlatState, Placement, Structure, flatten, placement_of
+
+RECOMPILE_WARN_AFTER = 8
+
+
+class AutoflatRecompileWarning(UserWarning):
+    """Warned when one decorated step keeps being traced and compiled again."""
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters of one decorated step function.
+
+    - `calls`: calls of the step.
+    - `fast_path`: state arguments taken from lazy handles with no host flatten.
+    - `flattens`: host-side `tree_flatten`s of state and broadcast arguments.
+    - `copies`: state arguments copied before donation (they were not autoflat's own).
+    - `traces`: traces of the generated function (each is followed by an XLA compile).
+    - `rebuilds`: lazy handles from this step rebuilt into real objects.
+    """
+
+    calls: int = 0
+    fast_path: int = 0
+    flattens: int = 0
+    copies: int = 0
+    traces: int = 0
+    rebuilds: int = 0
+
+    def snapshot(self) -> Stats:
+        return dataclasses.replace(self)
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
+class Program:
+    """One generated, loaded function for one set of roles."""
+
+    __slots__ = ("roles", "generated", "fn", "filename", "state_idx", "scanned_idx",
+                 "bcast_idx", "static_idx", "written_back_idx", "entries")
+
+    def __init__(self, roles: Roles, generated: GeneratedCode, fn: Callable[..., Any], filename: str):
+        self.roles = roles
+        self.generated = generated
+        self.fn = fn
+        self.filename = filename
+        idx = {p: i for i, p in enumerate(roles.params)}
+        self.state_idx = tuple(idx[p] for p in roles.state)
+        self.scanned_idx = tuple(idx[p] for p in roles.of("scanned"))
+        self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
+        self.static_idx = tuple(idx[p] for p in roles.of("static"))
+        self.written_back_idx = tuple(
+            (roles.state.index(p), idx[p]) for p in roles.written_back
+        )
+        self.entries = roles.layout.entries
+
+
+class CallSpec:
+    """Everything static about one call; interned, compared by identity."""
+
+    __slots__ = ("program", "structures", "placements", "bcast_structures", "static",
+                 "num_steps", "unroll", "step", "__weakref__")
+
+    def __init__(
+        self,
+        program: Program,
+        structures: tuple[Structure, ...],
+        placements: tuple[Placement | None, ...],
+        bcast_structures: tuple[Structure, ...],
+        static: dict[str, Any],
+        num_steps: int,
+        unroll: int | bool,
+        step: Step,
+    ) -> None:
+        self.program = program
+        self.structures = structures
+        self.placements = placements
+        self.bcast_structures = bcast_structures
+        self.static = static
+        self.num_steps = num_steps
+        self.unroll = unroll
+        self.step = step
+
+    def __repr__(self) -> str:
+        return f"CallSpec({self.step.__name__}, static={self.static})"
+
+
+# --- helpers the generated code calls (inside the trace) ---------------------------------
+
+def _unflatten(flat: FlatState) -> Any:
+    return flat.structure.unflatten(flat.arrays)
+
+
+def _flatten(spec: CallSpec, index: int, value: Any) -> FlatState:
+    if type(value) is LazyHandle:
+        value = LazyHandle._af_get(value)
+    structure, arrays = flatten(value)
+    expected = spec.structures[index]
+    if spec.num_steps > 1 and structure is not expected:
+        param = spec.program.roles.state[index]
+        raise AutoflatError(
+            STRUCTURE_CHANGED.format(
+                name=spec.step.__name__,
+                where=spec.step._analysis.where,
+                param=param,
+                diff=_structure.describe_difference(
+                    param, expected, _placeholders(expected), structure, arrays
+                ),
+                num_steps=spec.num_steps,
+            )
+        )
+    return FlatState(structure, arrays)
+
+
+def _placeholders(structure: Structure) -> list[Any]:
+    return [_Unknown()] * structure.n_arrays
+
+
+class _Unknown:
+    """An array leaf of unknown shape, for messages about structure changes."""
+
+    shape = ()
+    dtype = None
+
+
+def _scan(step: Callable[..., Any], spec: CallSpec, init: tuple[FlatState, ...], xs: tuple[Any, ...]) -> Any:
+    leaves = jax.tree_util.tree_leaves(xs)
+    lengths = set()
+    for leaf in leaves:
+        shape = np.shape(leaf)
+        if not shape:
+            _bad_length(spec, "a per-step input is a scalar, with no leading axis of steps")
+        lengths.add(shape[0])
+    if len(lengths) > 1:
+        _bad_length(spec, f"per-step inputs disagree on their leading axis: {sorted(lengths)}")
+    length = lengths.pop() if lengths else spec.num_steps
+    if length > spec.num_steps:
+        _bad_length(spec, f"per-step inputs have a leading axis of {length}, more than num_steps")
+
+    def checked(carry: Any, x: Any) -> Any:
+        new_carry, ys = step(carry, x)
+        for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
+            for a, b in zip(old.arrays, new.arrays, strict=True):
+                if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)):
+                    param = spec.program.roles.state[i]
+                    raise AutoflatError(
+                        STRUCTURE_CHANGED.format(
+                            name=spec.step.__name__,
+                            where=spec.step._analysis.where,
+                            param=param,
+                            diff=_structure.describe_difference(
+                                param, old.structure, old.arrays, new.structure, new.arrays
+                            ),
+                            num_steps=spec.num_steps,
+                        )
+                    )
+        return new_carry, ys
+
+    return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)
+
+
+def _bad_length(spec: CallSpec, reason: str) -> None:
+    scanned = ", ".join(spec.program.roles.of("scanned")) or "(none)"
+    raise AutoflatError(
+        BAD_SCAN_LENGTH.format(
+            name=spec.step.__name__,
+            where=spec.step._analysis.where,
+            num_steps=spec.num_steps,
+            reason=reason,
+            scanned=scanned,
+            last=spec.num_steps - 1,
+        )
+    )
+
+
+HELPERS = {"unflatten": _unflatten, "flatten": _flatten, "scan": _scan}
+
+
+# --- the decorated step --------------------------------------------------------------------
+
+_all_steps: weakref.WeakSet[Step] = weakref.WeakSet()
+
+
+def _copy_leaves(arrays: list[Any]) -> list[Any]:
+    """Fresh buffers with the same values and placement (so donation never touches the
+    caller's own arrays)."""
+    return [jnp.array(a, copy=True) for a in arrays]
+
+
+class Step:
+    """A step function transformed by `autoflat.step`. Call it like the original."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        num_steps: int,
+        state: frozenset[str],
+        broadcast: frozenset[str],
+        static_argnames: frozenset[str],
+        donate: bool,
+        unroll: int | bool,
+    ) -> None:
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise AutoflatError(f"autoflat.step: num_steps must be an int >= 1, got {num_steps!r}.")
+        self._wrapped = fn
+        self._user_fn = unwrap_function(fn)
+        self._analysis: Analysis = analyse(fn)
+        self._options = Options(state=state, broadcast=broadcast, static=static_argnames)
+        check_options(self._analysis, self._options)
+        self._signature = inspect.signature(self._user_fn)
+        self._params = self._analysis.param_names
+        self._n_params = len(self._params)
+        self.num_steps = num_steps
+        self.donate = donate
+        self.unroll = unroll
+        self.stats = Stats()
+        self._origin = Origin(self._analysis.name, self._analysis.where, self.stats)
+        self._programs: dict[Roles, Program] = {}
+        self._by_mutable: dict[frozenset[str], Program] = {}
+        self._specs: dict[Any, CallSpec] = {}
+        self._last_trace_key: Any = None
+        self._last_change = ""
+        self._warned = False
+        self._jit = jax.jit(self._entry, static_argnums=0, donate_argnums=(1,) if donate else ())
+        # Roles from the source and options alone; fixed now so bad returns fail at decoration.
+        self._base = self._program(assign_roles(self._analysis, self._options))
+        self.__name__ = getattr(fn, "__name__", self._analysis.name)
+        self.__qualname__ = getattr(fn, "__qualname__", self._analysis.name)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__module__ = getattr(fn, "__module__", None)  # type: ignore[assignment]
+        self.__wrapped__ = fn
+        _all_steps.add(self)
+
+    # --- programs ---------------------------------------------------------------------------
+    def _program(self, roles: Roles) -> Program:
+        program = self._programs.get(roles)
+        if program is None:
+            index = len(self._programs)
+            generated = generate(
+                self._analysis,
+                roles,
+                self.num_steps,
+                self._user_fn.__globals__,  # type: ignore[attr-defined]
+                self._user_fn.__code__.co_freevars,  # type: ignore[attr-defined]
+                index,
+            )
+            filename = _loading.filename_for(
+                self._analysis.funcdef.name.value, index, self._analysis.filename, self._analysis.def_line
+            )
+            fn = _loading.load(generated, self._user_fn, HELPERS, filename)
+            program = self._programs[roles] = Program(roles, generated, fn, filename)
+        return program
+
+    def _program_for(self, args: tuple[Any, ...]) -> Program:
+        base = self._base
+        if not self._may_mutate:
+            return base
+        mutable = frozenset(
+            self._params[i] for i in base.scanned_idx if is_mutable_module(args[i])
+        )
+        if not mutable:
+            return base
+        program = self._by_mutable.get(mutable)
+        if program is None:
+            roles = assign_roles(self._analysis, self._options, mutable)
+            program = self._by_mutable[mutable] = self._program(roles)
+        return program
+
+    @property
+    def _may_mutate(self) -> bool:
+        import sys
+
+        return "flax.nnx" in sys.modules
+
+    @property
+    def programs(self) -> list[Program]:
+        return list(self._programs.values())
+
+    # --- the call path ----------------------------------------------------------------------
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise AutoflatError(
+                BAD_CALL.format(
+                    name=self.__name__,
+                    where=self._analysis.where,
+                    reason=str(e),
+                    signature=str(self._signature),
+                )
+            ) from None
+        bound.apply_defaults()
+        return tuple(bound.arguments[p] for p in self._params)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        stats = self.stats
+        stats.calls += 1
+        if kwargs or len(args) != self._n_params:
+            args = self._bind(args, kwargs)
+        program = self._program_for(args)
+        donate = self.donate
+
+        structures = []
+        leaves = []
+        placements = []
+        donated: list[LazyHandle] = []
+        for i in program.state_idx:
+            a = args[i]
+            if (
+                type(a) is LazyHandle
+                and not a._af_consumed_by
+                and (a._af_obj is _UNBUILT or a._af_structure.immutable)
+            ):
+                structures.append(a._af_structure)
+                leaves.append(a._af_arrays)
+                placements.append(a._af_placement)
+                donated.append(a)
+                stats.fast_path += 1
+                continue
+            s, arrs = flatten(LazyHandle._af_get(a) if type(a) is LazyHandle else a)
+            stats.flattens += 1
+            placements.append(placement_of(arrs))
+            if donate and arrs:
+                arrs = _copy_leaves(arrs)
+                stats.copies += 1
+            structures.append(s)
+            leaves.append(arrs)
+        if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
+            # The same handle twice: donating its buffers twice would fail. Copy the repeats.
+            seen: set[int] = set()
+            for k, i in enumerate(program.state_idx):
+                a = args[i]
+                if type(a) is LazyHandle and id(a) in seen:
+                    leaves[k] = _copy_leaves(leaves[k])
+                seen.add(id(a))
+
+        bcast_structures = []
+        bcast_leaves = []
+        for i in program.bcast_idx:
+            a = args[i]
+            if type(a) is LazyHandle and not a._af_consumed_by:
+                s, arrs = LazyHandle._af_leaves(a)
+            else:
+                s, arrs = flatten(a)
+                stats.flattens += 1
+            bcast_structures.append(s)
+            bcast_leaves.append(arrs)
+
+        static = tuple(args[i] for i in program.static_idx)
+        key = (program, *structures, *placements, *bcast_structures, *static)
+        try:
+            spec = self._specs.get(key)
+        except TypeError:
+            self._unhashable(program, static)
+        if spec is None:
+            spec = self._new_spec(key, program, structures, placements, bcast_structures, static)
+
+        xs = tuple(args[i] for i in program.scanned_idx)
+        try:
+            state_out, outputs = self._jit(spec, tuple(leaves), xs, tuple(bcast_leaves))
+        except Exception as e:
+            _loading.rewrite_traceback(
+                e,
+                program.generated,
+                program.filename,
+                self._analysis.filename,
+                self._analysis.funcdef.name.value,
+                self.__qualname__,
+            )
+            raise
+
+        call = stats.calls
+        if donate:
+            for h in donated:
+                object.__setattr__(h, "_af_consumed_by", call)
+
+        origin = self._origin
+        handles = []
+        names = program.roles.state
+        for k, flat in enumerate(state_out):
+            placement = placements[k]
+            if placement is not None and flat.structure is not structures[k]:
+                placement = placement_of(flat.arrays)
+            handles.append(LazyHandle(flat.structure, flat.arrays, placement, origin, names[k]))
+        for k, i in program.written_back_idx:
+            self._write_back(args[i], handles[k], names[k])
+
+        entries = program.entries
+        layout = program.roles.layout.kind
+        if layout == "none":
+            return None
+        items = [handles[j] if kind == "state" else outputs[j] for kind, j in entries]
+        if layout == "single":
+            return items[0]
+        return tuple(items)
+
+    def _unhashable(self, program: Program, static: tuple[Any, ...]) -> None:
+        for p, v in zip(program.roles.of("static"), static, strict=True):
+            try:
+                hash(v)
+            except TypeError:
+                raise AutoflatError(
+                    UNHASHABLE_STATIC.format(
+                        name=self.__name__, where=self._analysis.where, param=p, type=type(v).__name__
+                    )
+                ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _new_spec(
+        self,
+        key: Any,
+        program: Program,
+        structures: list[Structure],
+        placements: list[Placement | None],
+        bcast_structures: list[Structure],
+        static: tuple[Any, ...],
+    ) -> CallSpec:
+        spec = CallSpec(
+            program,
+            tuple(structures),
+            tuple(placements),
+            tuple(bcast_structures),
+            dict(zip(program.roles.of("static"), static, strict=True)),
+            self.num_steps,
+            self.unroll,
+            self,
+        )
+        self._specs[key] = spec
+        return spec
+
+    def _write_back(self, target: Any, new: LazyHandle, param: str) -> None:
+        """Mutation-style state: make the caller's object show the new value."""
+        if type(target) is LazyHandle:
+            for slot in ("_af_structure", "_af_arrays", "_af_placement"):
+                object.__setattr__(target, slot, object.__getattribute__(new, slot))
+            object.__setattr__(target, "_af_obj", _UNBUILT)
+            object.__setattr__(target, "_af_consumed_by", 0)
+            return
+        _assign_into(target, LazyHandle._af_get(new), param, "", self)
+
+    # --- tracing ----------------------------------------------------------------------------
+    def _entry(
+        self,
+        spec: CallSpec,
+        state_leaves: tuple[list[Any], ...],
+        xs: tuple[Any, ...],
+        bcast_leaves: tuple[list[Any], ...],
+    ) -> Any:
+        self.stats.traces += 1
+        self._note_trace(spec, state_leaves, xs, bcast_leaves)
+        state = tuple(FlatState(s, a) for s, a in zip(spec.structures, state_leaves, strict=True))
+        bcast = tuple(
+            FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True)
+        )
+        state_out, outputs = spec.program.fn(spec, state, xs, bcast)
+        pinned = []
+        for k, flat in enumerate(state_out):
+            placement = spec.placements[k]
+            if placement is not None and flat.structure is spec.structures[k]:
+                flat = FlatState(
+                    flat.structure,
+                    [
+                        jax.lax.with_sharding_constraint(a, s)
+                        for a, s in zip(flat.arrays, placement.shardings, strict=True)
+                    ],
+                )
+            pinned.append(flat)
+        return tuple(pinned), outputs
+
+    def _note_trace(self, spec: CallSpec, state_leaves: Any, xs: Any, bcast_leaves: Any) -> None:
+        shapes = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype), (state_leaves, xs, bcast_leaves))
+        key = (spec, shapes)
+        last = self._last_trace_key
+        if last is not None:
+            self._last_change = _describe_change(last, key)
+        self._last_trace_key = key
+        if self.stats.traces >= RECOMPILE_WARN_AFTER and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"autoflat: `{self.__qualname__}` ({self._analysis.where}) has been traced and "
+                f"compiled {self.stats.traces} times; the last change was: {self._last_change}. "
+                "Keep structures, static arguments and input shapes fixed between calls (pad "
+                "the final batch, keep counters as arrays), or this step recompiles often.",
+                AutoflatRecompileWarning,
+                stacklevel=2,
+            )
+
+    # --- conveniences -----------------------------------------------------------------------
+    def show(self, *, print_: bool = True) -> str:
+        from ._api import show
+
+        return show(self, print_=print_)
+
+    def clear_cache(self) -> None:
+        self._specs.clear()
+        self._jit = jax.jit(self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ())
+
+    def __repr__(self) -> str:
+        return f"<autoflat.step {self.__qualname__} num_steps={self.num_steps}>"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        import functools
+
+        return functools.partial(self, obj)
+
+
+def _describe_change(old: Any, new: Any) -> str:
+    old_spec, old_shapes = old
+    new_spec, new_shapes = new
+    names = new_spec.program.roles.state
+    if old_spec.program is not new_spec.program:
+        return "the roles of the parameters (a mutable module appeared or went away)"
+    for n, a, b in zip(names, old_spec.structures, new_spec.structures, strict=False):
+        if a is not b:
+            return f"the structure of state `{n}`"
+    for n, a, b in zip(new_spec.program.roles.of("broadcast"), old_spec.bcast_structures,
+                       new_spec.bcast_structures, strict=False):
+        if a is not b:
+            return f"the structure of broadcast argument `{n}`"
+    for n in new_spec.static:
+        if old_spec.static.get(n, object()) != new_spec.static[n]:
+            return f"the value of static argument `{n}` ({old_spec.static.get(n)!r} -> {new_spec.static[n]!r})"
+    if old_spec.placements != new_spec.placements:
+        return "the sharding of the state"
+    if old_shapes != new_shapes:
+        return "the shapes or dtypes of the inputs"
+    return "nothing autoflat can see (the jit cache was cleared?)"
+
+
+def _assign_into(target: Any, new: Any, param: str, path: str, step: Step) -> None:
+    """Update `target` in place so that it equals `new` (same tree structure)."""
+    if target is new:
+        return
+    if isinstance(target, dict):
+        for k in list(target):
+            if k not in new:
+                del target[k]
+        for k, v in new.items():
+            old = target.get(k, None)
+            if k in target and _is_mutable_container(old):
+                _assign_into(old, v, param, f"{path}[{k!r}]", step)
+            else:
+                target[k] = v
+        return
+    if isinstance(target, list):
+        if len(target) != len(new):
+            target[:] = list(new)
+            return
+        for i, v in enumerate(new):
+            old = target[i]
+            if _is_mutable_container(old):
+                _assign_into(old, v, param, f"{path}[{i}]", step)
+            else:
+                target[i] = v
+        return
+    if isinstance(target, tuple):
+        for i, (old, v) in enumerate(zip(target, new, strict=True)):
+            if old is v:
+                continue
+            if _is_mutable_container(old):
+                _assign_into(old, v, param, f"{path}[{i}]", step)
+            else:
+                _cannot(step, param, f"{path}[{i}]", type(target))
+        return
+    if _is_mutable_container(target):
+        for k, v in vars(new).items():
+            old = getattr(target, k, None)
+            if _is_mutable_container(old):
+                _assign_into(old, v, param, f"{path}.{k}", step)
+            else:
+                setattr(target, k, v)
+        return
+    _cannot(step, param, path or "(the whole value)", type(target))
+
+
+def _is_mutable_container(x: Any) -> bool:
+    if isinstance(x, (dict, list)):
+        return True
+    if x is None or isinstance(x, (tuple, str, bytes, int, float, complex)) or _structure.is_array(x):
+        return False
+    if not hasattr(x, "__dict__") or callable(x) and not hasattr(type(x), "__dataclass_fields__"):
+        return False
+    params = getattr(type(x), "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        return False
+    import sys
+
+    eqx = sys.modules.get("equinox")
+    return not (eqx is not None and isinstance(x, eqx.Module))
+
+
+def _cannot(step: Step, param: str, path: str, typ: type) -> None:
+    raise AutoflatError(
+        CANNOT_WRITE_BACK.format(
+            name=step.__qualname__, where=step._analysis.where, param=param, path=f"{param}{path}",
+            type=typ.__name__,
+        )
+    )
+
+
+def clear_all() -> None:
+    for step in list(_all_steps):
+        step.clear_cache()
+    _structure.clear()

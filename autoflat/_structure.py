@@ -1,0 +1,248 @@
+"""Structures and the transport of state leaves across the `jax.jit` boundary.
+
+A *structure* is the interned triple (treedef, the non-array leaves, which positions are
+arrays). Non-array leaves (activation functions, Python scalars, strings) are static, as in
+`eqx.filter_jit`; array leaves cross the boundary. Interning makes structure comparison an
+identity check, which is what keeps the call path O(1).
+
+The transport (one buffer per array leaf today) lives in this module alone: `flatten_host`,
+`FlatState` and `Structure.unflatten` are the only places that know how leaves travel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+
+
+def is_array(x: Any) -> bool:
+    """The leaves that cross the jit boundary (the rest are static)."""
+    return isinstance(x, _ARRAY_TYPES)
+
+
+class _ById:
+    """Stands in for an unhashable static leaf: equal only to itself."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.obj is self.obj
+
+
+_ARRAY = object()  # marks array positions in a structure's key
+
+
+def _static_key(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return _ById(leaf)
+    # 1 == 1.0 == True: the type is part of the key so a rebuild restores the exact leaf.
+    return (type(leaf), leaf)
+
+
+class Structure:
+    """An interned (treedef, static leaves, array positions) triple. Compare with `is`."""
+
+    __slots__ = ("treedef", "static_leaves", "array_positions", "n_arrays", "_immutable", "key")
+
+    treedef: Any
+    static_leaves: tuple[Any, ...]
+    array_positions: tuple[int, ...]
+    n_arrays: int
+    key: Any
+
+    def __init__(self, treedef: Any, static_leaves: tuple[Any, ...], positions: tuple[int, ...], key: Any):
+        self.treedef = treedef
+        self.static_leaves = static_leaves
+        self.array_positions = positions
+        self.n_arrays = len(positions)
+        self._immutable: bool | None = None
+        self.key = key
+
+    @property
+    def all_arrays(self) -> bool:
+        return self.n_arrays == len(self.static_leaves)
+
+    def unflatten(self, arrays: Sequence[Any]) -> Any:
+        """Rebuild the value from its array leaves."""
+        if self.n_arrays == len(self.static_leaves):
+            return self.treedef.unflatten(arrays)
+        leaves = list(self.static_leaves)
+        for pos, a in zip(self.array_positions, arrays, strict=True):
+            leaves[pos] = a
+        return self.treedef.unflatten(leaves)
+
+    def all_leaves(self, arrays: Sequence[Any]) -> list[Any]:
+        """Every leaf, static and array, in tree order."""
+        leaves = list(self.static_leaves)
+        for pos, a in zip(self.array_positions, arrays, strict=True):
+            leaves[pos] = a
+        return leaves
+
+    @property
+    def root_type(self) -> type | None:
+        data = self.treedef.node_data()
+        return None if data is None else data[0]
+
+    @property
+    def immutable(self) -> bool:
+        """Whether a value of this structure cannot be changed in place (tuples, frozen
+        dataclasses, Equinox modules): then a rebuilt value can never go stale."""
+        if self._immutable is None:
+            self._immutable = _treedef_immutable(self.treedef)
+        return self._immutable
+
+    def __repr__(self) -> str:
+        return f"Structure({self.treedef}, arrays={self.n_arrays})"
+
+
+def _type_immutable(t: type) -> bool:
+    if t is type(None) or issubclass(t, tuple):
+        return True
+    params = getattr(t, "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        return True
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and issubclass(t, eqx.Module)
+
+
+def _treedef_immutable(treedef: Any) -> bool:
+    data = treedef.node_data()
+    if data is None:
+        return True  # a leaf
+    if not _type_immutable(data[0]):
+        return False
+    return all(_treedef_immutable(c) for c in treedef.children())
+
+
+_lock = threading.Lock()
+_interned: dict[Any, Structure] = {}
+
+
+def intern(treedef: Any, leaves: Sequence[Any]) -> tuple[Structure, list[Any]]:
+    """The interned structure of a flattened value, and its array leaves."""
+    positions = []
+    arrays = []
+    static: list[Any] = []
+    keys: list[Any] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _ARRAY_TYPES):
+            positions.append(i)
+            arrays.append(leaf)
+            static.append(None)
+            keys.append(_ARRAY)
+        else:
+            static.append(leaf)
+            keys.append(_static_key(leaf))
+    key = (treedef, tuple(keys))
+    s = _interned.get(key)
+    if s is None:
+        with _lock:
+            s = _interned.setdefault(key, Structure(treedef, tuple(static), tuple(positions), key))
+    return s, arrays
+
+
+def flatten(value: Any) -> tuple[Structure, list[Any]]:
+    """Flatten `value` (on the host or inside a trace) into its structure and array leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return intern(treedef, leaves)
+
+
+def clear() -> None:
+    with _lock:
+        _interned.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The shardings of a state's array leaves, kept across steps when not all on one device."""
+
+    shardings: tuple[Any, ...]
+
+
+def placement_of(arrays: Sequence[Any]) -> Placement | None:
+    """None when every leaf lives on one device (nothing to pin), else their shardings."""
+    shardings = []
+    multi = False
+    for a in arrays:
+        s = getattr(a, "sharding", None)
+        if s is None:
+            return None  # numpy leaves: placed by jit
+        if not multi and len(s.device_set) > 1:
+            multi = True
+        shardings.append(s)
+    return Placement(tuple(shardings)) if multi else None
+
+
+class FlatState:
+    """State as it crosses the jit boundary: array leaves plus the (static) structure.
+
+    A pytree node whose children are the arrays and whose aux data is the structure, so the
+    structure of state leaving a compiled call comes back with it at no host cost beyond one
+    node.
+    """
+
+    __slots__ = ("structure", "arrays")
+
+    def __init__(self, structure: Structure, arrays: Sequence[Any]):
+        self.structure = structure
+        self.arrays = list(arrays)
+
+    def __repr__(self) -> str:
+        return f"FlatState({self.structure!r})"
+
+
+jax.tree_util.register_pytree_node(
+    FlatState,
+    lambda f: (f.arrays, f.structure),
+    lambda s, arrays: FlatState(s, arrays),
+)
+
+
+def describe_difference(
+    name: str, before: Structure, before_arrays: Sequence[Any], after: Structure, after_arrays: Sequence[Any]
+) -> str:
+    """A short description of how a state's structure, shapes or dtypes changed."""
+    if before.treedef != after.treedef:
+        return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        before.treedef.unflatten(list(range(len(before.static_leaves)))))[0]]
+    lines = []
+    b_leaves = before.all_leaves(before_arrays)
+    a_leaves = after.all_leaves(after_arrays)
+    for path, b, a in zip(paths, b_leaves, a_leaves, strict=True):
+        if is_array(b) != is_array(a):
+            kind_b = _leaf_desc(b)
+            kind_a = _leaf_desc(a)
+            lines.append(f"  {name}{path}: {kind_b} became {kind_a}")
+        elif is_array(b):
+            if (np.shape(b), _dtype(b)) != (np.shape(a), _dtype(a)):
+                lines.append(f"  {name}{path}: {_leaf_desc(b)} became {_leaf_desc(a)}")
+        elif _static_key(b) != _static_key(a):
+            lines.append(f"  {name}{path}: {b!r} became {a!r}")
+    return "\n".join(lines[:10]) or "  (no difference found in structure, shapes or dtypes)"
+
+
+def _dtype(x: Any) -> Any:
+    return getattr(x, "dtype", None)
+
+
+def _leaf_desc(x: Any) -> str:
+    if is_array(x):
+        return f"array {_dtype(x)}{list(np.shape(x))}"
+    return f"non-array {type(x).__name__} {x!r}"
