@@ -270,25 +270,19 @@ def generate(
             shown.append(f"state {state[i]}" if kind == "state" else "output" + (" (stacked)" if scanning else ""))
         header.append("returns: " + ", ".join(shown))
 
-    factory_params = ", ".join([*helpers.values(), *freevars])
+    names = {
+        "factory": factory, "function": name, "spec": spec, "state": state_in, "xs": xs_in,
+        "broadcast": bcast_in, "body": marker,
+    }
     if scanning:
-        template = f"""\
-def {{factory}}({factory_params}):
-    def {{function}}({spec}, {state_in}, {xs_in}, {bcast_in}):
-        def {{step}}({carry}, {x}):
-            {marker}
-        return {helpers['scan']}({{step}}, {spec}, {state_in}, {xs_in})
-    return {{function}}
-"""
+        names.update(step=step_name, carry=carry, x=x, scan=helpers["scan"])
+        template = _SCAN_TEMPLATE
     else:
-        template = f"""\
-def {{factory}}({factory_params}):
-    def {{function}}({spec}, {state_in}, {xs_in}, {bcast_in}):
-        {marker}
-    return {{function}}
-"""
+        template = _PLAIN_TEMPLATE
     module = parse_template_module(
-        template, factory=cst.Name(factory), function=cst.Name(name), step=cst.Name(step_name)
+        template.replace("{params}", ", ".join(["{p%d}" % i for i in range(len(helpers) + len(freevars))])),
+        **{k: cst.Name(v) for k, v in names.items()},
+        **{f"p{i}": cst.Name(v) for i, v in enumerate([*helpers.values(), *freevars])},
     )
     module = module.visit(_BodyMarker(marker, [*bind_stmts, *statements]))
     module = module.with_changes(header=_comment_lines(header))
@@ -314,6 +308,23 @@ def {{factory}}({factory_params}):
         freevars=freevars,
         line_map=tuple(sorted(line_map.items())),
     )
+
+
+_SCAN_TEMPLATE = """\
+def {factory}({params}):
+    def {function}({spec}, {state}, {xs}, {broadcast}):
+        def {step}({carry}, {x}):
+            {body}
+        return {scan}({step}, {spec}, {state}, {xs})
+    return {function}
+"""
+
+_PLAIN_TEMPLATE = """\
+def {factory}({params}):
+    def {function}({spec}, {state}, {xs}, {broadcast}):
+        {body}
+    return {function}
+"""
 
 
 def _short(filename: str) -> str:

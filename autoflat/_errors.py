@@ -106,7 +106,9 @@ num_steps={num_steps} stack {num_steps} batches:
     batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[batch_0, ..., batch_{last}])
 
 A final chunk may be shorter than num_steps (it runs that many steps). Arguments that stay the
-same for every step of a call belong in broadcast=.
+same for every step of a call belong in broadcast=. State carried from step to step must be
+returned by name from every `return` (`params = optax.apply_updates(params, updates)` then
+`return params, ...`), not as an expression.
 """
 
 STRUCTURE_CHANGED = """\

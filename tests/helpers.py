@@ -1,0 +1,40 @@
+"""Shared assertions for the test suite."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+import autoflat
+
+
+def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6, exact: bool = False) -> None:
+    """Assert two pytrees have the same structure, non-array leaves and (close) array leaves."""
+    a = autoflat.unwrap(a)
+    b = autoflat.unwrap(b)
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+    for i, (x, y) in enumerate(zip(la, lb, strict=True)):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                x, y = jax.random.key_data(x), jax.random.key_data(y)
+            x, y = np.asarray(x), np.asarray(y)
+            assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
+            if exact:
+                np.testing.assert_array_equal(x, y, err_msg=f"leaf {i}")
+            else:
+                np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
+        else:
+            assert x == y, (i, x, y)
+
+
+def chunk(tree: Any, start: int, stop: int) -> Any:
+    """Steps [start, stop) of a tree whose leaves have a leading axis of steps."""
+    return jax.tree.map(lambda x: x[start:stop], tree)
+
+
+def step_i(tree: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i], tree)
