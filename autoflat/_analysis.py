@@ -418,13 +418,13 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     # Free names: read somewhere in the function and never bound in it.
     scopes = meta.MetadataWrapper(module).resolve(meta.ScopeProvider)
     free: set[str] = set()
-    for scope in set(scopes.values()):
-        if isinstance(scope, meta.GlobalScope):
-            for access in scope.accesses:
-                if not access.referents or all(
-                    isinstance(a, meta.BuiltinAssignment) for a in access.referents
-                ):
-                    free.add(_access_name(access.node))
+    for scope in {s for s in scopes.values() if s is not None}:
+        for access in scope.accesses:
+            if not access.referents or all(
+                isinstance(a, meta.BuiltinAssignment) for a in access.referents
+            ):
+                free.add(_access_name(access.node))
+    free.discard("")
 
     return Analysis(
         name=name,

@@ -172,6 +172,36 @@ class LazyHandle:
         return _copy.deepcopy(LazyHandle._af_get(self), memo)
 
 
+def _forward_operators() -> None:
+    """Numeric and conversion protocols forward to the real object (a state may be an array)."""
+    import operator
+
+    binary = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+              "xor", "lshift", "rshift", "lt", "le", "gt", "ge"]
+    for name in binary:
+        op = getattr(operator, f"{name}_") if name in ("and", "or") else getattr(operator, name)
+
+        def forward(self: LazyHandle, other: Any, op: Any = op) -> Any:
+            return op(LazyHandle._af_get(self), unwrap(other))
+
+        def reflected(self: LazyHandle, other: Any, op: Any = op) -> Any:
+            return op(unwrap(other), LazyHandle._af_get(self))
+
+        setattr(LazyHandle, f"__{name}__", forward)
+        if name not in ("lt", "le", "gt", "ge"):
+            setattr(LazyHandle, f"__r{name}__", reflected)
+    for name in ["neg", "pos", "abs", "invert", "float", "int", "index", "complex", "round",
+                 "array", "jax_array", "format", "reversed"]:
+
+        def unary(self: LazyHandle, *args: Any, name: str = name) -> Any:
+            return getattr(LazyHandle._af_get(self), f"__{name}__")(*args)
+
+        setattr(LazyHandle, f"__{name}__", unary)
+
+
+_forward_operators()
+
+
 class _Unbuilt:
     def __repr__(self) -> str:
         return "<unbuilt>"

@@ -139,6 +139,8 @@ def _flatten(spec: CallSpec, index: int, value: Any) -> FlatState:
         value = LazyHandle._af_get(value)
     structure, arrays = flatten(value)
     expected = spec.structures[index]
+    if structure is not expected and structure.key == expected.key:
+        structure = expected  # equal, though interned apart (after `autoflat.clear_caches()`)
     if spec.num_steps > 1 and structure is not expected:
         param = spec.program.roles.state[index]
         raise AutoflatError(
@@ -147,23 +149,12 @@ def _flatten(spec: CallSpec, index: int, value: Any) -> FlatState:
                 where=spec.step._analysis.where,
                 param=param,
                 diff=_structure.describe_difference(
-                    param, expected, _placeholders(expected), structure, arrays
+                    param, expected, None, structure, arrays
                 ),
                 num_steps=spec.num_steps,
             )
         )
     return FlatState(structure, arrays)
-
-
-def _placeholders(structure: Structure) -> list[Any]:
-    return [_Unknown()] * structure.n_arrays
-
-
-class _Unknown:
-    """An array leaf of unknown shape, for messages about structure changes."""
-
-    shape = ()
-    dtype = None
 
 
 def _scan(step: Callable[..., Any], spec: CallSpec, init: tuple[FlatState, ...], xs: tuple[Any, ...]) -> Any:
@@ -249,6 +240,11 @@ class Step:
         self._wrapped = fn
         self._user_fn = unwrap_function(fn)
         self._analysis: Analysis = analyse(fn)
+        params = self._analysis.param_names
+        if params and params[0] in ("self", "cls") and params[0] not in state | static_argnames:
+            # A method: the instance is the same for every step (its arrays, if it is a pytree,
+            # are broadcast; anything else is static).
+            broadcast = broadcast | {params[0]}
         self._options = Options(state=state, broadcast=broadcast, static=static_argnames)
         check_options(self._analysis, self._options)
         self._signature = inspect.signature(self._user_fn)

@@ -215,18 +215,26 @@ jax.tree_util.register_pytree_node(
 
 
 def describe_difference(
-    name: str, before: Structure, before_arrays: Sequence[Any], after: Structure, after_arrays: Sequence[Any]
+    name: str,
+    before: Structure,
+    before_arrays: Sequence[Any] | None,
+    after: Structure,
+    after_arrays: Sequence[Any],
 ) -> str:
-    """A short description of how a state's structure, shapes or dtypes changed."""
+    """A short description of how a state's structure, shapes or dtypes changed (with
+    `before_arrays=None`, input shapes are not compared)."""
     if before.treedef != after.treedef:
         return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
         before.treedef.unflatten(list(range(len(before.static_leaves)))))[0]]
     lines = []
-    b_leaves = before.all_leaves(before_arrays)
+    b_leaves = before.all_leaves(before_arrays if before_arrays is not None else [_AnyArray()] * before.n_arrays)
     a_leaves = after.all_leaves(after_arrays)
     for path, b, a in zip(paths, b_leaves, a_leaves, strict=True):
-        if is_array(b) != is_array(a):
+        if isinstance(b, _AnyArray):
+            if not is_array(a):
+                lines.append(f"  {name}{path}: an array became {_leaf_desc(a)}")
+        elif is_array(b) != is_array(a):
             kind_b = _leaf_desc(b)
             kind_a = _leaf_desc(a)
             lines.append(f"  {name}{path}: {kind_b} became {kind_a}")
@@ -236,6 +244,10 @@ def describe_difference(
         elif _static_key(b) != _static_key(a):
             lines.append(f"  {name}{path}: {b!r} became {a!r}")
     return "\n".join(lines[:10]) or "  (no difference found in structure, shapes or dtypes)"
+
+
+class _AnyArray:
+    """An input array leaf whose shape is not known where the message is made."""
 
 
 def _dtype(x: Any) -> Any:

@@ -393,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"(model, adam state): {state_counts['arrays']} arrays + {state_counts['static']} "
         f"non-array"
     )
-    print(f"timing: {repeats} repeats of ~{block_s} s blocks, round-robin" + (" (--quick)" if args.quick else ""))
+    quick = " (--quick)" if args.quick else ""
+    print(f"timing: {repeats} repeats of ~{block_s} s blocks, round-robin{quick}")
     sys.stdout.flush()
 
     methods: list[Method] = [
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # --- agreement: same 10 steps from the same state, then compile-time figures -----------
     ref_losses = ref_params = None
     compile_s: dict[str, float] = {}
+    agreement: dict[str, dict[str, float]] = {}
     for m in methods:
         m.start(model, opt_state)
         t0 = time.perf_counter()
@@ -421,19 +423,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if ref_losses is None:
             ref_losses, ref_params = losses, params
             continue
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-4, atol=1e-5, err_msg=m.name)
         assert len(params) == len(ref_params), m.name
-        for a, b in zip(params, ref_params, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5, err_msg=m.name)
+        loss_diff = float(np.max(np.abs(losses - ref_losses) / np.abs(ref_losses)))
+        param_diff = max(
+            float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+            for a, b in zip(params, ref_params, strict=True)
+        )
+        agreement[m.key] = {"max_rel_loss_diff": loss_diff, "max_rel_param_diff": param_diff}
+        # One step per call compiles to the same program: agreement to float noise. Inside a
+        # lax.scan XLA fuses differently, and the rounding differences grow a little over the
+        # 10 steps (adam divides by sqrt(v), so small gradients amplify them).
+        tol = 1e-5 if m.steps_per_call == 1 else 3e-3
+        if loss_diff > tol or param_diff > tol:
+            raise AssertionError(
+                f"{m.name} disagrees with {methods[0].name}: max relative difference "
+                f"{loss_diff:.2e} in the losses, {param_diff:.2e} in the parameters (tol {tol})"
+            )
     print(
-        f"agreement: all methods give the same 10 losses ({ref_losses[0]:.4f} .. "
-        f"{ref_losses[-1]:.4f}) and final parameters"
+        f"agreement over 10 steps, max relative difference vs {methods[0].name} "
+        "(losses / parameters): "
+        + ", ".join(
+            f"{k} {v['max_rel_loss_diff']:.1e} / {v['max_rel_param_diff']:.1e}"
+            for k, v in agreement.items()
+        )
     )
     compute.start(model, opt_state)
     t0 = time.perf_counter()
     compute.run(1)
     compile_s[compute.key] = time.perf_counter() - t0
-    print("first calls (compile + 10 steps), s: " + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
+    print(
+        "first calls (compile + 10 steps), s: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items())
+    )
     sys.stdout.flush()
 
     # --- warm-up and calibration ---------------------------------------------------------------
@@ -523,6 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "leaves": {"model": model_counts, "model_and_opt_state": state_counts},
         "first_call_seconds": compile_s,
+        "agreement": agreement,
         "compute_us_per_step": compute_us,
         "rows": rows,
         "autoflat_stats": {m.key: str(autoflat.stats(m.fn)) for m in afs},

@@ -125,7 +125,9 @@ class NarrowResNet50(eqx.Module):
     stages: tuple[tuple[Bottleneck, ...], ...]
     fc: eqx.nn.Linear
 
-    def __init__(self, num_classes: int = 10, width: int = 2, in_channels: int = 3, *, key: jax.Array):
+    def __init__(
+        self, num_classes: int = 10, width: int = 2, in_channels: int = 3, *, key: jax.Array
+    ):
         k_stem, k_fc, *k_stages = jax.random.split(key, 2 + len(STAGE_BLOCKS))
         self.stem_conv = Conv(in_channels, width, 7, 2, key=k_stem)
         self.stem_norm = Norm(width)

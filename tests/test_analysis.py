@@ -1,0 +1,172 @@
+"""Source analysis and roles: parameters, returns, writes, unsupported constructs, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autoflat
+from autoflat._analysis import Return, analyse
+from autoflat._roles import Options, assign_roles
+
+
+def functional(model, opt_state, batch, *, lr: float = 0.1):
+    """Doc."""
+    loss = jnp.sum(batch)
+    if loss > 0:
+        return model, opt_state, loss
+    return model, opt_state, -loss
+
+
+def mutating(model, metrics, x):
+    model.w = model.w + x
+    metrics["n"] += 1
+    model.layers[0].b = x
+    x.reshape(-1)  # a method call on a non-state parameter
+
+
+def test_analysis_value():
+    a = analyse(functional)
+    line = functional.__code__.co_firstlineno
+    assert a.name == "functional"
+    assert a.def_line == line
+    assert a.body_first_line == line + 1
+    assert [p.name for p in a.params] == ["model", "opt_state", "batch", "lr"]
+    assert [p.kind for p in a.params][-1] == "keyword_only"
+    assert a.params[-1].has_default
+    assert a.returns == (
+        Return(line + 4, "tuple", ("model", "opt_state", "loss")),
+        Return(line + 5, "tuple", ("model", "opt_state", None)),
+    )
+    assert not a.falls_through
+    assert a.assigned == frozenset()
+    assert {"jnp"} <= a.free_names
+    assert a == analyse(functional)  # a plain, comparable value
+
+
+def test_writes_and_method_calls():
+    a = analyse(mutating)
+    line = mutating.__code__.co_firstlineno
+    assert a.assigned == {"model", "metrics"}
+    assert dict(a.assigned_lines) == {"model": line + 1, "metrics": line + 2}
+    assert a.method_called == {"x"}
+    assert a.falls_through
+    roles = assign_roles(a, Options())
+    assert roles.roles == ("state", "state", "scanned")
+    assert roles.written_back == ("model", "metrics")
+    assert roles.layout.kind == "none"
+
+
+def test_roles_explicit_override():
+    a = analyse(functional)
+    roles = assign_roles(a, Options(broadcast=frozenset({"opt_state"}), static=frozenset({"lr"})))
+    assert roles.roles == ("state", "broadcast", "scanned", "static")
+    # opt_state is broadcast, so its returned position becomes a per-step output
+    assert roles.layout.entries == (("state", 0), ("out", 0), ("out", 1))
+
+
+def test_wrapped_functions_are_unwrapped():
+    def deco(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    assert analyse(deco(functional)).name == "functional"
+    assert analyse(jax.jit(functional)).name == "functional"
+
+
+def _raises(fn, match, **options):
+    with pytest.raises(autoflat.AutoflatError, match=match) as info:
+        autoflat.step(fn, **options)
+    return str(info.value)
+
+
+def test_lambda_exec_and_builtins_have_no_source():
+    msg = _raises(lambda m: m, "it is a lambda")
+    assert "test_analysis.py" in msg and "def update" in msg
+    ns: dict = {}
+    exec("def f(m):\n    return m\n", ns)
+    _raises(ns["f"], "cannot read the source of `f`")
+    _raises(len, "cannot read the source")
+
+
+def test_unsupported_constructs_name_file_line_and_fix():
+    def gen(model):
+        yield model
+
+    def writes_global(model):
+        global GLOBAL_THING
+        GLOBAL_THING = 1
+        return model
+
+    counter = 0
+
+    def writes_nonlocal(model):
+        nonlocal counter
+        counter += 1
+        return model
+
+    async def coro(model):
+        return model
+
+    def variadic(model, *batches):
+        return model
+
+    line = gen.__code__.co_firstlineno
+    msg = _raises(gen, r"uses `yield`")
+    assert f"test_analysis.py:{line + 1}" in msg and "replace `yield` by `return`" in msg
+    _raises(writes_global, r"a `global` statement.*\n\n.*Return the value instead")
+    _raises(writes_nonlocal, r"a `nonlocal` statement")
+    _raises(coro, r"`async`/`await`")
+    _raises(variadic, r"variadic parameters \(\*batches\)")
+
+
+def test_nested_generators_and_nonlocal_are_fine():
+    def ok(model, x):
+        def g():
+            yield x
+
+        total = 0
+
+        def add():
+            nonlocal total
+            total = 1
+
+        add()
+        model = model + sum(g())
+        return model, x
+
+    autoflat.step(ok)
+
+
+def test_returns_disagree():
+    def arity(model, x):
+        if x > 0:
+            return model, x
+        return model
+
+    def positions(model, opt, x):
+        if x > 0:
+            return model, opt, x
+        return opt, model, x
+
+    def falls(model, x):
+        if x > 0:
+            return model, x
+
+    msg = _raises(arity, "disagree")
+    line = arity.__code__.co_firstlineno
+    assert f"line {line + 2} returns (model, x)" in msg and f"line {line + 3} returns model" in msg
+    _raises(positions, "disagree")
+    _raises(falls, "returns nothing")
+
+
+def test_bad_options():
+    _raises(functional, "state= names `nope`, which is not a parameter", state="nope")
+    _raises(functional, "given two roles", broadcast="batch", static_argnames=["batch"])
+    _raises(functional, "num_steps must be an int", num_steps=0)

@@ -1,0 +1,141 @@
+"""Loading: live globals and closure cells, linecache, tracebacks at the user's file and line,
+calling conventions, wrapped functions."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import traceback
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import autoflat
+
+SCALE = 2.0
+
+
+def scaled(x, y):
+    x = x * SCALE + y
+    return x, y
+
+
+def test_live_globals():
+    global SCALE
+    step = autoflat.step(scaled, donate=False)
+    x, _ = step(jnp.float32(1.0), jnp.float32(0.0))
+    assert float(x) == 2.0
+    SCALE = 3.0
+    try:
+        autoflat.clear_caches()  # a retrace sees the new global value, as with jax.jit
+        x, _ = step(jnp.float32(1.0), jnp.float32(0.0))
+        assert float(x) == 3.0
+    finally:
+        SCALE = 2.0
+
+
+def test_live_closure_cells():
+    factor = jnp.float32(2.0)
+
+    @autoflat.step(num_steps=2)
+    def step(total, x):
+        total = total + factor * x
+        return total, x * 1
+
+    t, _ = step(jnp.float32(0.0), jnp.ones(2, jnp.float32))
+    assert float(t) == 4.0
+    factor = jnp.float32(5.0)  # noqa: F841  (the generated code sees the same cell)
+    autoflat.clear_caches()
+    t, _ = step(t, jnp.ones(2, jnp.float32))
+    assert float(t) == 14.0
+
+
+def test_linecache_and_inspect():
+    step = autoflat.step(scaled)
+    program = step.programs[0]
+    assert program.filename == f"<autoflat:scaled:0 from test_loading.py:{scaled.__code__.co_firstlineno}>"
+    assert "".join(linecache.getlines(program.filename)) == autoflat.show(step, print_=False)
+    assert inspect.getsource(program.fn).startswith("    def scaled(")
+
+
+def boom(model, x):
+    y = model + x
+    z = jnp.dot(y, jnp.ones((3, 3)))  # shape error for a length-2 vector
+    return model, z
+
+
+def test_error_in_user_body_points_at_user_line():
+    step = autoflat.step(boom, num_steps=2)
+    model = jnp.zeros(2)
+    with pytest.raises(TypeError) as info:
+        step(model, jnp.ones((2, 2)))
+    err_line = boom.__code__.co_firstlineno + 2
+    frames = traceback.extract_tb(info.value.__traceback__)
+    user_frames = [f for f in frames if f.filename == __file__]
+    assert any(f.lineno == err_line and "jnp.dot" in (f.line or "") for f in user_frames), frames
+    assert any(f"test_loading.py:{err_line}" in n for n in info.value.__notes__)
+    # nothing was lost: the caller's model still works
+    assert not model.is_deleted() and float(model.sum()) == 0.0
+
+
+def test_calling_conventions():
+    def update(model, batch, scale=jnp.float32(1.0), *, shift=jnp.float32(0.0)):
+        """A docstring."""
+        model = model + batch * scale + shift
+        return model, batch
+
+    step = autoflat.step(update, donate=False)
+    m = jnp.float32(1.0)
+    a, _ = step(m, jnp.float32(1.0))
+    b, _ = step(model=m, batch=jnp.float32(1.0), shift=jnp.float32(1.0))
+    c, _ = step(m, jnp.float32(1.0), jnp.float32(2.0), shift=jnp.float32(1.0))
+    assert (float(a), float(b), float(c)) == (2.0, 3.0, 4.0)
+    assert step.__doc__ == "A docstring."
+    assert step.__name__ == "update"
+    with pytest.raises(autoflat.AutoflatError, match=r"missing a required argument: 'batch'") as info:
+        step(m)
+    assert "update(model, batch" in str(info.value)
+    with pytest.raises(autoflat.AutoflatError, match="unexpected keyword"):
+        step(m, jnp.float32(1.0), nope=1)
+
+
+def test_jit_and_wraps_wrapped_functions():
+    def deco(f):
+        @functools.wraps(f)
+        def wrapper(*a, **k):
+            return f(*a, **k)
+
+        return wrapper
+
+    @autoflat.step(num_steps=2)
+    @jax.jit
+    def jitted(model, x):
+        model = model + x
+        return model, x * 2
+
+    @autoflat.step(num_steps=2)
+    @deco
+    def wrapped(model, x):
+        model = model + x
+        return model, x * 2
+
+    for step in (jitted, wrapped):
+        m, xs = step(jnp.float32(0.0), jnp.array([1.0, 2.0], jnp.float32))
+        assert float(m) == 3.0 and xs.tolist() == [2.0, 4.0]
+
+
+def test_method_decoration():
+    class Trainer:
+        def __init__(self, lr):
+            self.lr = lr
+
+        @autoflat.step(num_steps=2)
+        def train(self, model, x):
+            model = model + self.lr * x
+            return model
+
+    m = Trainer(0.5).train(jnp.float32(0.0), jnp.ones(2, jnp.float32))
+    assert float(m) == 1.0
+    assert "# self: broadcast (broadcast=)" in autoflat.show(Trainer.train, print_=False)
