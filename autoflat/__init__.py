@@ -13,6 +13,7 @@ from ._api import show as show
 from ._api import stats as stats
 from ._api import step as step
 from ._errors import AutoflatError as AutoflatError
+from ._handles import LazyHandle as LazyHandle
 from ._handles import is_handle as is_handle
 from ._handles import unwrap as unwrap
 from ._runtime import AutoflatRecompileWarning as AutoflatRecompileWarning
@@ -27,6 +28,7 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running fr
 __all__ = [
     "AutoflatError",
     "AutoflatRecompileWarning",
+    "LazyHandle",
     "Stats",
     "Step",
     "clear_caches",

@@ -48,6 +48,7 @@ def step(
     static_argnames: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
+    lazy: bool = True,
 ) -> Step: ...
 
 
@@ -60,6 +61,7 @@ def step(
     static_argnames: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
+    lazy: bool = True,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
@@ -72,6 +74,7 @@ def step(
     static_argnames: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
+    lazy: bool = True,
 ) -> Any:
     """Compile a training step so that state crosses `jax.jit` as flat leaves, k steps a call.
 
@@ -95,6 +98,13 @@ def step(
       (the caller's own arrays are never donated). Handles passed to a donating call are
       consumed.
     - `unroll`: passed to `lax.scan`.
+    - `lazy`: return state as lazy handles (the default: no host work until used). With
+      False, state comes back as the real objects, rebuilt after every call; passing the same
+      objects back in still skips the host flatten when their structure is immutable (tuples,
+      NamedTuples, frozen dataclasses, Equinox modules). Use it when returned state is mixed
+      with other trees in multi-tree pytree operations (`jax.tree.map(f, a, b)`,
+      `optax.apply_updates`, `eqx.partition`), which cannot accept a handle in place of the
+      real type.
 
     **Returns:**
 
@@ -123,6 +133,7 @@ def step(
         static_argnames=_names(static_argnames, "static_argnames"),
         donate=bool(donate),
         unroll=unroll,
+        lazy=bool(lazy),
     )
     if fn is _sentinel:
         return lambda f: Step(f, **options)

@@ -220,6 +220,8 @@ def _unflatten_handle(treedef: Any, leaves: Any) -> Any:
 
 
 jax.tree_util.register_pytree_node(LazyHandle, _flatten_handle, _unflatten_handle)
+# JAX's pytree errors name the class; make that name the public one the docs explain.
+LazyHandle.__module__ = "autoflat"
 
 
 def unwrap(x: Any) -> Any:

@@ -234,6 +234,7 @@ class Step:
         static_argnames: frozenset[str],
         donate: bool,
         unroll: int | bool,
+        lazy: bool = True,
     ) -> None:
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise AutoflatError(f"autoflat.step: num_steps must be an int >= 1, got {num_steps!r}.")
@@ -253,6 +254,9 @@ class Step:
         self.num_steps = num_steps
         self.donate = donate
         self.unroll = unroll
+        self.lazy = lazy
+        # With lazy=False: per state position, the last (object, handle) this step returned.
+        self._last: dict[int, tuple[Any, LazyHandle]] = {}
         self.stats = Stats()
         self._origin = Origin(self._analysis.name, self._analysis.where, self.stats)
         self._programs: dict[Roles, Program] = {}
@@ -345,8 +349,14 @@ class Step:
         leaves = []
         placements = []
         donated: list[LazyHandle] = []
-        for i in program.state_idx:
+        last = self._last
+        for k, i in enumerate(program.state_idx):
             a = args[i]
+            if last:
+                # lazy=False: the real object we returned last time stands for its handle.
+                pair = last.get(k)
+                if pair is not None and pair[0] is a and pair[1]._af_structure.immutable:
+                    a = pair[1]
             if (
                 type(a) is LazyHandle
                 and not a._af_consumed_by
@@ -425,6 +435,12 @@ class Step:
             handles.append(LazyHandle(flat.structure, flat.arrays, placement, origin, names[k]))
         for k, i in program.written_back_idx:
             self._write_back(args[i], handles[k], names[k])
+        if not self.lazy:
+            last.clear()
+            for k, h in enumerate(handles):
+                obj = LazyHandle._af_get(h)
+                last[k] = (obj, h)
+                handles[k] = obj
 
         entries = program.entries
         layout = program.roles.layout.kind
