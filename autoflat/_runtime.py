@@ -397,6 +397,9 @@ class Step:
             bcast_structures.append(s)
             bcast_leaves.append(arrs)
 
+        for k, i in program.written_back_idx:
+            if type(args[i]) is not LazyHandle:
+                _check_writable(self, structures[k].treedef, program.roles.state, k)
         static = tuple(args[i] for i in program.static_idx)
         key = (program, *structures, *placements, *bcast_structures, *static)
         try:
@@ -630,6 +633,35 @@ def _assign_into(target: Any, new: Any, param: str, path: str, step: Step) -> No
                 setattr(target, k, v)
         return
     _cannot(step, param, path or "(the whole value)", type(target))
+
+
+def _check_writable(step: Step, treedef: Any, names: tuple[str, ...], k: int) -> None:
+    """Before the call: can the caller's object be updated in place afterwards?"""
+    path = _unwritable_path(treedef, "")
+    if path is not None:
+        data = treedef.node_data()
+        typ = data[0] if data is not None else type(None)
+        _cannot(step, names[k], path[0] or "", path[1] if path[1] is not None else typ)
+
+
+def _unwritable_path(treedef: Any, path: str) -> tuple[str, type] | None:
+    data = treedef.node_data()
+    if data is None:
+        return (path, type(None)) if path == "" else None
+    typ, aux = data
+    if typ in (dict, list) or not _structure._type_immutable(typ) and typ is not type(None):
+        return None
+    # An immutable node: it cannot be changed in place, so every child must be.
+    children = treedef.children()
+    keys = list(aux) if typ is dict else list(range(len(children)))
+    for key, child in zip(keys, children, strict=False):
+        sub = f"{path}[{key!r}]"
+        if child.node_data() is None:
+            return (sub, typ)
+        found = _unwritable_path(child, sub)
+        if found is not None:
+            return found
+    return None
 
 
 def _is_mutable_container(x: Any) -> bool:

@@ -1,0 +1,173 @@
+"""The runtime: fast path counters, compile counts, recompile warnings, structure changes,
+mutation-style write-back, chunk lengths, donation corner cases."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoflat
+
+
+def _ones(n):
+    return jnp.ones((n, 3), jnp.float32)
+
+
+def accumulate(state, x):
+    state = {"sum": state["sum"] + x, "n": state["n"] + 1}
+    return state, jnp.sum(x)
+
+
+def test_fast_path_does_no_host_flatten():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    for _ in range(5):
+        s, out = acc(s, _ones(4))
+    stats = autoflat.stats(acc)
+    assert (stats.calls, stats.flattens, stats.fast_path, stats.copies) == (5, 1, 4, 1)
+    assert int(s["n"]) == 20 and out.shape == (4,)
+
+
+def test_remainder_chunk_and_length_errors():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s, out = acc(s, _ones(4))
+    s, out = acc(s, _ones(2))
+    assert out.shape == (2,)
+    s, out = acc(s, _ones(2))  # the 2-step version is compiled once
+    assert acc.stats.traces == 2
+    assert int(s["n"]) == 8
+    with pytest.raises(autoflat.AutoflatError, match="leading axis of 5, more than num_steps") as info:
+        acc(s, _ones(5))
+    assert "accumulate" in str(info.value) and "test_runtime.py" in str(info.value)
+    # still usable after the error
+    s, _ = acc(s, _ones(4))
+    assert int(s["n"]) == 12
+
+
+def test_inconsistent_leading_axes():
+    @autoflat.step(num_steps=3)
+    def two(state, x, y):
+        state = state + jnp.sum(x) + jnp.sum(y)
+        return state
+
+    with pytest.raises(autoflat.AutoflatError, match=r"disagree on their leading axis: \[2, 3\]"):
+        two(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+
+
+def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():
+    def grow(state, x):
+        state = {"w": state["w"] + x, "count": 1}  # `count` becomes a Python int
+        return state
+
+    scanned = autoflat.step(grow, num_steps=2)
+    s = {"w": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+    with pytest.raises(autoflat.AutoflatError, match=r"state\['count'\]: an array became non-array int 1"):
+        scanned(s, jnp.ones(2))
+    single = autoflat.step(grow)
+    out = single(s, jnp.float32(1.0))
+    assert out["count"] == 1 and float(out["w"]) == 1.0
+    out2 = single(out, jnp.float32(1.0))  # the new structure is fine from call to call
+    assert float(out2["w"]) == 2.0
+
+
+def test_shape_change_in_scan():
+    def widen(state, x):
+        state = jnp.concatenate([state, x[None]])
+        return state
+
+    with pytest.raises(autoflat.AutoflatError, match=r"array float32\[1\] became array float32\[2\]"):
+        autoflat.step(widen, num_steps=2)(jnp.zeros(1), jnp.ones(2))
+
+
+def test_recompile_warning_names_the_cause():
+    def f(state, x, scale):
+        state = state + x * scale
+        return state
+
+    step = autoflat.step(f, static_argnames="scale", donate=False)
+    s = jnp.float32(0.0)
+    with pytest.warns(autoflat.AutoflatRecompileWarning, match=r"static argument `scale`"):
+        for i in range(autoflat._runtime.RECOMPILE_WARN_AFTER):
+            step(s, jnp.float32(1.0), float(i))
+    # warned once only
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(s, jnp.float32(1.0), 100.0)
+
+
+def test_mutation_style_writes_back_into_callers_objects():
+    def update(stats, x):
+        stats["total"] = stats["total"] + jnp.sum(x)
+        stats["history"][0] = stats["history"][0] + 1
+
+    ref_stats = {"total": jnp.zeros(()), "history": [jnp.zeros((), jnp.int32)]}
+    ref = jax.jit(lambda s, x: (update(s, x), s)[1])
+    for i in range(6):
+        ref_stats = ref(ref_stats, jnp.full((3,), float(i)))
+
+    step = autoflat.step(update, num_steps=3)
+    stats = {"total": jnp.zeros(()), "history": [jnp.zeros((), jnp.int32)]}
+    history = stats["history"]
+    xs = jnp.stack([jnp.full((3,), float(i)) for i in range(6)])
+    assert step(stats, xs[:3]) is None
+    assert step(stats, xs[3:]) is None
+    assert stats["history"] is history  # updated in place, not replaced
+    assert float(stats["total"]) == float(ref_stats["total"]) == 45.0
+    assert int(history[0]) == 6
+    assert "# stats: state (assigned into at line" in autoflat.show(step, print_=False)
+
+
+def test_mutation_into_immutable_parts_is_a_clear_error():
+    def update(state, x):
+        state[0]["w"] = state[0]["w"] + x
+
+    step = autoflat.step(update)
+    state = ({"w": jnp.zeros(())}, jnp.zeros(()))
+    with pytest.raises(autoflat.AutoflatError, match=r"`state\[1\]` is immutable \(tuple\)"):
+        step(state, jnp.float32(1.0))
+    assert float(state[0]["w"]) == 0.0  # checked before running: nothing half-written
+
+
+def test_same_handle_twice_and_handles_across_steps():
+    @autoflat.step
+    def add(a, b):
+        a = a + b
+        b = b * 1
+        return a, b
+
+    @autoflat.step(num_steps=2)
+    def other(a, x):
+        a = a + jnp.sum(x)
+        return a
+
+    a, b = add(jnp.float32(1.0), jnp.float32(2.0))
+    a2, b2 = add(a, a)  # the same handle as two donated state arguments
+    assert float(a2) == 6.0 and float(b2) == 3.0
+    c = other(a2, jnp.ones((2, 2)))  # a handle from one step into another: fast path
+    assert other.stats.fast_path == 1 and float(c) == 10.0
+
+
+def test_numpy_state_and_zero_array_state():
+    @autoflat.step(num_steps=2)
+    def step(params, config, x):
+        params = {"w": params["w"] + x * config["scale"]}
+        config = {"scale": config["scale"], "name": config["name"]}
+        return params, config
+
+    p, c = step({"w": np.zeros(2, np.float32)}, {"scale": 2.0, "name": "run"}, jnp.ones((2, 2)))
+    np.testing.assert_allclose(p["w"], [4.0, 4.0])
+    assert c == {"scale": 2.0, "name": "run"}  # non-array leaves are static, as in filter_jit
+
+
+def test_clear_caches_keeps_steps_usable():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s, _ = acc(s, _ones(4))
+    autoflat.clear_caches()
+    s, _ = acc(s, _ones(4))
+    assert acc.stats.traces == 2 and int(s["n"]) == 8
