@@ -520,7 +520,7 @@ class Step:
                 flat = FlatState(
                     flat.structure,
                     [
-                        jax.lax.with_sharding_constraint(a, s)
+                        a if s is None else jax.lax.with_sharding_constraint(a, s)
                         for a, s in zip(flat.arrays, placement.shardings, strict=True)
                     ],
                 )

@@ -170,22 +170,23 @@ def clear() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The shardings of a state's array leaves, kept across steps when not all on one device."""
+    """The shardings of a state's array leaves that span several devices (None for the rest,
+    which `jit` places as it would anyway), pinned so they survive every step."""
 
     shardings: tuple[Any, ...]
 
 
 def placement_of(arrays: Sequence[Any]) -> Placement | None:
-    """None when every leaf lives on one device (nothing to pin), else their shardings."""
-    shardings = []
+    """None when no leaf spans several devices (nothing to pin), else per-leaf shardings."""
+    shardings: list[Any] = []
     multi = False
     for a in arrays:
         s = getattr(a, "sharding", None)
-        if s is None:
-            return None  # numpy leaves: placed by jit
-        if not multi and len(s.device_set) > 1:
+        if s is not None and len(s.device_set) > 1:
             multi = True
-        shardings.append(s)
+            shardings.append(s)
+        else:
+            shardings.append(None)
     return Placement(tuple(shardings)) if multi else None
 
 

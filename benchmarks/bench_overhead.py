@@ -495,13 +495,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timed = [*methods, compute]
     for m in timed:
         m.run(3)
-        probe = 5
+        probe = 2
         while True:
             _, total = m.run(probe)
-            if total > 0.05 * block_s or probe >= 10_000:
+            if total > 0.1 * block_s or probe >= 10_000:
                 break
-            probe *= 4
-        m.n_calls = max(2, round(block_s / (total / probe)))
+            probe *= 2
+        # The fastest of three probes: a stray pause must not shrink the timed blocks.
+        per_call = min(total, *(m.run(probe)[1] for _ in range(2))) / probe
+        m.n_calls = max(2, round(block_s / per_call))
     afs = [m for m in methods if isinstance(m, Autoflat)]
     before = {m.key: autoflat.stats(m.fn) for m in afs}
 
