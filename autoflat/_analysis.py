@@ -20,7 +20,14 @@ from typing import Any, Literal
 import libcst as cst
 import libcst.metadata as meta
 
-from ._errors import NO_SOURCE, RETURNS_DISAGREE, UNSUPPORTED, UNSUPPORTED_ADVICE, AutoflatError, where
+from ._errors import (
+    NO_SOURCE,
+    RETURNS_DISAGREE,
+    UNSUPPORTED,
+    UNSUPPORTED_ADVICE,
+    AutoflatError,
+    where,
+)
 
 ParamKind = Literal["positional_only", "positional_or_keyword", "keyword_only"]
 ReturnKind = Literal["none", "single", "tuple"]

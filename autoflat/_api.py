@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
@@ -126,7 +127,8 @@ def step(
 
     ```
     """
-    options = dict(
+    make = functools.partial(
+        Step,
         num_steps=num_steps,
         state=_names(state, "state"),
         broadcast=_names(broadcast, "broadcast"),
@@ -136,8 +138,8 @@ def step(
         lazy=bool(lazy),
     )
     if fn is _sentinel:
-        return lambda f: Step(f, **options)
-    return Step(fn, **options)
+        return make
+    return make(fn)
 
 
 def _as_step(fn: Any) -> Step:
@@ -165,7 +167,7 @@ def show(fn: Step, *, print_: bool = True) -> str:
     ... def inc(x):
     ...     return x + 1
     >>> print(autoflat.show(inc, print_=False).splitlines()[0])
-    # autoflat: generated from `inc` at <doctest autoflat._api.show[1]>:1
+    # autoflat: generated from `inc` at <doctest autoflat._api.show[1]>:2
 
     ```
     """

@@ -105,7 +105,9 @@ class _ReturnRewriter(cst.CSTTransformer):
         self.depth += 1
         return True
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> Any:
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> Any:
         self.depth -= 1
         return self._keep(original_node, updated_node)
 
@@ -190,11 +192,17 @@ def generate(
     funcdef = analysis.funcdef
     name = funcdef.name.value
     namer = Namer(
-        analysis.all_names | set(analysis.param_names) | set(user_globals) | set(freevars)
-        | analysis.free_names | {name}
+        analysis.all_names
+        | set(analysis.param_names)
+        | set(user_globals)
+        | set(freevars)
+        | analysis.free_names
+        | {name}
     )
     helpers = {h: namer(f"_af_{h}") for h in HELPERS}
-    spec, state_in, xs_in, bcast_in = (namer(n) for n in ("_af_spec", "_af_state", "_af_xs", "_af_broadcast"))
+    spec, state_in, xs_in, bcast_in = (
+        namer(n) for n in ("_af_spec", "_af_state", "_af_xs", "_af_broadcast")
+    )
     carry, x, marker = namer("_af_carry"), namer("_af_x"), namer("_af_body")
     factory = namer(f"_autoflat_{name}")
     step_name = namer(f"{name}_step")
@@ -234,8 +242,9 @@ def generate(
         f"body of {name} ({where(_short(analysis.filename), analysis.body_first_line)}"
         f"-{analysis.body_last_line})"
     )
-    statements[0] = statements[0].with_changes(
-        leading_lines=[*_comment_lines([body_label]), *statements[0].leading_lines]
+    first: Any = statements[0]
+    statements[0] = first.with_changes(
+        leading_lines=[*_comment_lines([body_label]), *first.leading_lines]
     )
     origin = rewriter.origin
 
@@ -256,34 +265,51 @@ def generate(
             binds.append(f"{p} = {spec}.static[{p!r}]")
     bind_stmts = [cst.parse_statement(b + "\n") for b in binds]
     if bind_stmts:
-        label = "unflatten state and bind this step's inputs" if scanning else "unflatten state and bind inputs"
+        label = (
+            "unflatten state and bind this step's inputs"
+            if scanning
+            else "unflatten state and bind inputs"
+        )
         bind_stmts[0] = bind_stmts[0].with_changes(leading_lines=_comment_lines([label]))
 
     header = [
-        f"autoflat: generated from `{analysis.name}` at {where(_short(analysis.filename), analysis.def_line)}",
+        f"autoflat: generated from `{analysis.name}` at "
+        f"{where(_short(analysis.filename), analysis.def_line)}",
         f"num_steps: {num_steps}",
-        *(f"{p}: {r} ({why})" for p, r, why in zip(roles.params, roles.roles, roles.reasons, strict=True)),
+        *(
+            f"{p}: {r} ({why})"
+            for p, r, why in zip(roles.params, roles.roles, roles.reasons, strict=True)
+        ),
     ]
     if roles.layout.kind != "none":
         shown = []
         for kind, i in roles.layout.entries:
-            shown.append(f"state {state[i]}" if kind == "state" else "output" + (" (stacked)" if scanning else ""))
+            shown.append(
+                f"state {state[i]}"
+                if kind == "state"
+                else "output" + (" (stacked)" if scanning else "")
+            )
         header.append("returns: " + ", ".join(shown))
 
     names = {
-        "factory": factory, "function": name, "spec": spec, "state": state_in, "xs": xs_in,
-        "broadcast": bcast_in, "body": marker,
+        "factory": factory,
+        "function": name,
+        "spec": spec,
+        "state": state_in,
+        "xs": xs_in,
+        "broadcast": bcast_in,
+        "body": marker,
     }
     if scanning:
         names.update(step=step_name, carry=carry, x=x, scan=helpers["scan"])
         template = _SCAN_TEMPLATE
     else:
         template = _PLAIN_TEMPLATE
-    module = parse_template_module(
-        template.replace("{params}", ", ".join(["{p%d}" % i for i in range(len(helpers) + len(freevars))])),
-        **{k: cst.Name(v) for k, v in names.items()},
-        **{f"p{i}": cst.Name(v) for i, v in enumerate([*helpers.values(), *freevars])},
-    )
+    replacements: dict[str, Any] = {k: cst.Name(v) for k, v in names.items()}
+    for i, v in enumerate([*helpers.values(), *freevars]):
+        replacements[f"p{i}"] = cst.Name(v)
+    params = ", ".join(f"{{p{i}}}" for i in range(len(helpers) + len(freevars)))
+    module = parse_template_module(template.replace("{params}", params), **replacements)
     module = module.visit(_BodyMarker(marker, [*bind_stmts, *statements]))
     module = module.with_changes(header=_comment_lines(header))
     source = module.code

@@ -35,8 +35,16 @@ class Origin:
 class LazyHandle:
     """A state value returned by an autoflat step; behaves as the object it stands for."""
 
-    __slots__ = ("_af_structure", "_af_arrays", "_af_placement", "_af_obj", "_af_origin",
-                 "_af_param", "_af_consumed_by", "__weakref__")
+    __slots__ = (
+        "_af_structure",
+        "_af_arrays",
+        "_af_placement",
+        "_af_obj",
+        "_af_origin",
+        "_af_param",
+        "_af_consumed_by",
+        "__weakref__",
+    )
 
     _af_structure: Structure
     _af_arrays: list[Any]
@@ -176,8 +184,25 @@ def _forward_operators() -> None:
     """Numeric and conversion protocols forward to the real object (a state may be an array)."""
     import operator
 
-    binary = ["add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
-              "xor", "lshift", "rshift", "lt", "le", "gt", "ge"]
+    binary = [
+        "add",
+        "sub",
+        "mul",
+        "truediv",
+        "floordiv",
+        "mod",
+        "pow",
+        "matmul",
+        "and",
+        "or",
+        "xor",
+        "lshift",
+        "rshift",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+    ]
     for name in binary:
         op = getattr(operator, f"{name}_") if name in ("and", "or") else getattr(operator, name)
 
@@ -190,8 +215,21 @@ def _forward_operators() -> None:
         setattr(LazyHandle, f"__{name}__", forward)
         if name not in ("lt", "le", "gt", "ge"):
             setattr(LazyHandle, f"__r{name}__", reflected)
-    for name in ["neg", "pos", "abs", "invert", "float", "int", "index", "complex", "round",
-                 "array", "jax_array", "format", "reversed"]:
+    for name in [
+        "neg",
+        "pos",
+        "abs",
+        "invert",
+        "float",
+        "int",
+        "index",
+        "complex",
+        "round",
+        "array",
+        "jax_array",
+        "format",
+        "reversed",
+    ]:
 
         def unary(self: LazyHandle, *args: Any, name: str = name) -> Any:
             return getattr(LazyHandle._af_get(self), f"__{name}__")(*args)

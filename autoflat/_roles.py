@@ -208,5 +208,8 @@ def assign_roles(
                 entries.append(("out", out_index))
                 out_index += 1
     return Roles(
-        params=params, roles=tuple(roles), reasons=tuple(reasons), layout=Layout(kind, tuple(entries))
+        params=params,
+        roles=tuple(roles),
+        reasons=tuple(reasons),
+        layout=Layout(kind, tuple(entries)),
     )

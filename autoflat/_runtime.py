@@ -79,10 +79,22 @@ class Stats:
 class Program:
     """One generated, loaded function for one set of roles."""
 
-    __slots__ = ("roles", "generated", "fn", "filename", "state_idx", "scanned_idx",
-                 "bcast_idx", "static_idx", "written_back_idx", "entries")
+    __slots__ = (
+        "roles",
+        "generated",
+        "fn",
+        "filename",
+        "state_idx",
+        "scanned_idx",
+        "bcast_idx",
+        "static_idx",
+        "written_back_idx",
+        "entries",
+    )
 
-    def __init__(self, roles: Roles, generated: GeneratedCode, fn: Callable[..., Any], filename: str):
+    def __init__(
+        self, roles: Roles, generated: GeneratedCode, fn: Callable[..., Any], filename: str
+    ):
         self.roles = roles
         self.generated = generated
         self.fn = fn
@@ -92,17 +104,24 @@ class Program:
         self.scanned_idx = tuple(idx[p] for p in roles.of("scanned"))
         self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
-        self.written_back_idx = tuple(
-            (roles.state.index(p), idx[p]) for p in roles.written_back
-        )
+        self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)
         self.entries = roles.layout.entries
 
 
 class CallSpec:
     """Everything static about one call; interned, compared by identity."""
 
-    __slots__ = ("program", "structures", "placements", "bcast_structures", "static",
-                 "num_steps", "unroll", "step", "__weakref__")
+    __slots__ = (
+        "program",
+        "structures",
+        "placements",
+        "bcast_structures",
+        "static",
+        "num_steps",
+        "unroll",
+        "step",
+        "__weakref__",
+    )
 
     def __init__(
         self,
@@ -130,6 +149,7 @@ class CallSpec:
 
 # --- helpers the generated code calls (inside the trace) ---------------------------------
 
+
 def _unflatten(flat: FlatState) -> Any:
     return flat.structure.unflatten(flat.arrays)
 
@@ -148,16 +168,16 @@ def _flatten(spec: CallSpec, index: int, value: Any) -> FlatState:
                 name=spec.step.__name__,
                 where=spec.step._analysis.where,
                 param=param,
-                diff=_structure.describe_difference(
-                    param, expected, None, structure, arrays
-                ),
+                diff=_structure.describe_difference(param, expected, None, structure, arrays),
                 num_steps=spec.num_steps,
             )
         )
     return FlatState(structure, arrays)
 
 
-def _scan(step: Callable[..., Any], spec: CallSpec, init: tuple[FlatState, ...], xs: tuple[Any, ...]) -> Any:
+def _scan(
+    step: Callable[..., Any], spec: CallSpec, init: tuple[FlatState, ...], xs: tuple[Any, ...]
+) -> Any:
     leaves = jax.tree_util.tree_leaves(xs)
     lengths = set()
     for leaf in leaves:
@@ -289,7 +309,10 @@ class Step:
                 index,
             )
             filename = _loading.filename_for(
-                self._analysis.funcdef.name.value, index, self._analysis.filename, self._analysis.def_line
+                self._analysis.funcdef.name.value,
+                index,
+                self._analysis.filename,
+                self._analysis.def_line,
             )
             fn = _loading.load(generated, self._user_fn, HELPERS, filename)
             program = self._programs[roles] = Program(roles, generated, fn, filename)
@@ -299,9 +322,7 @@ class Step:
         base = self._base
         if not self._may_mutate:
             return base
-        mutable = frozenset(
-            self._params[i] for i in base.scanned_idx if is_mutable_module(args[i])
-        )
+        mutable = frozenset(self._params[i] for i in base.scanned_idx if is_mutable_module(args[i]))
         if not mutable:
             return base
         program = self._by_mutable.get(mutable)
@@ -461,7 +482,10 @@ class Step:
             except TypeError:
                 raise AutoflatError(
                     UNHASHABLE_STATIC.format(
-                        name=self.__name__, where=self._analysis.where, param=p, type=type(v).__name__
+                        name=self.__name__,
+                        where=self._analysis.where,
+                        param=p,
+                        type=type(v).__name__,
                     )
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
@@ -528,7 +552,9 @@ class Step:
         return tuple(pinned), outputs
 
     def _note_trace(self, spec: CallSpec, state_leaves: Any, xs: Any, bcast_leaves: Any) -> None:
-        shapes = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype), (state_leaves, xs, bcast_leaves))
+        shapes = jax.tree_util.tree_map(
+            lambda t: (t.shape, t.dtype), (state_leaves, xs, bcast_leaves)
+        )
         key = (spec, shapes)
         last = self._last_trace_key
         if last is not None:
@@ -553,7 +579,9 @@ class Step:
 
     def clear_cache(self) -> None:
         self._specs.clear()
-        self._jit = jax.jit(self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ())
+        self._jit = jax.jit(
+            self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ()
+        )
 
     def __repr__(self) -> str:
         return f"<autoflat.step {self.__qualname__} num_steps={self.num_steps}>"
@@ -575,13 +603,18 @@ def _describe_change(old: Any, new: Any) -> str:
     for n, a, b in zip(names, old_spec.structures, new_spec.structures, strict=False):
         if a is not b:
             return f"the structure of state `{n}`"
-    for n, a, b in zip(new_spec.program.roles.of("broadcast"), old_spec.bcast_structures,
-                       new_spec.bcast_structures, strict=False):
+    for n, a, b in zip(
+        new_spec.program.roles.of("broadcast"),
+        old_spec.bcast_structures,
+        new_spec.bcast_structures,
+        strict=False,
+    ):
         if a is not b:
             return f"the structure of broadcast argument `{n}`"
     for n in new_spec.static:
         if old_spec.static.get(n, object()) != new_spec.static[n]:
-            return f"the value of static argument `{n}` ({old_spec.static.get(n)!r} -> {new_spec.static[n]!r})"
+            old, new_value = old_spec.static.get(n), new_spec.static[n]
+            return f"the value of static argument `{n}` ({old!r} -> {new_value!r})"
     if old_spec.placements != new_spec.placements:
         return "the sharding of the state"
     if old_shapes != new_shapes:
@@ -667,7 +700,11 @@ def _unwritable_path(treedef: Any, path: str) -> tuple[str, type] | None:
 def _is_mutable_container(x: Any) -> bool:
     if isinstance(x, (dict, list)):
         return True
-    if x is None or isinstance(x, (tuple, str, bytes, int, float, complex)) or _structure.is_array(x):
+    if (
+        x is None
+        or isinstance(x, (tuple, str, bytes, int, float, complex))
+        or _structure.is_array(x)
+    ):
         return False
     if not hasattr(x, "__dict__") or callable(x) and not hasattr(type(x), "__dataclass_fields__"):
         return False
@@ -683,7 +720,10 @@ def _is_mutable_container(x: Any) -> bool:
 def _cannot(step: Step, param: str, path: str, typ: type) -> None:
     raise AutoflatError(
         CANNOT_WRITE_BACK.format(
-            name=step.__qualname__, where=step._analysis.where, param=param, path=f"{param}{path}",
+            name=step.__qualname__,
+            where=step._analysis.where,
+            param=param,
+            path=f"{param}{path}",
             type=typ.__name__,
         )
     )

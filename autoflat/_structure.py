@@ -66,7 +66,9 @@ class Structure:
     n_arrays: int
     key: Any
 
-    def __init__(self, treedef: Any, static_leaves: tuple[Any, ...], positions: tuple[int, ...], key: Any):
+    def __init__(
+        self, treedef: Any, static_leaves: tuple[Any, ...], positions: tuple[int, ...], key: Any
+    ):
         self.treedef = treedef
         self.static_leaves = static_leaves
         self.array_positions = positions
@@ -226,10 +228,16 @@ def describe_difference(
     `before_arrays=None`, input shapes are not compared)."""
     if before.treedef != after.treedef:
         return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        before.treedef.unflatten(list(range(len(before.static_leaves)))))[0]]
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(
+            before.treedef.unflatten(list(range(len(before.static_leaves))))
+        )[0]
+    ]
     lines = []
-    b_leaves = before.all_leaves(before_arrays if before_arrays is not None else [_AnyArray()] * before.n_arrays)
+    b_leaves = before.all_leaves(
+        before_arrays if before_arrays is not None else [_AnyArray()] * before.n_arrays
+    )
     a_leaves = after.all_leaves(after_arrays)
     for path, b, a in zip(paths, b_leaves, a_leaves, strict=True):
         if isinstance(b, _AnyArray):

@@ -356,6 +356,7 @@ def _machine() -> dict[str, Any]:
         "jax_backend": jax.default_backend(),
         "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')}",
         "n_devices": jax.device_count(),
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 
 
@@ -395,6 +396,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"machine: {machine['platform']} ({machine['processor']}), {machine['cpu_count']} CPUs, "
         f"JAX backend {machine['jax_backend']} ({machine['device']} x{machine['n_devices']})"
+        + (
+            f", load average {machine['load_average_at_start'][0]:.2f} at start"
+            if machine["load_average_at_start"]
+            else ""
+        )
     )
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(

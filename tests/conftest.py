@@ -7,7 +7,6 @@ import jax  # noqa: E402,F401  (strict dtype promotion is off: optax itself prom
 import pytest  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True)
 def _fresh_caches():
     yield

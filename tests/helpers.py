@@ -10,7 +10,9 @@ import numpy as np
 import autoflat
 
 
-def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6, exact: bool = False) -> None:
+def tree_allclose(
+    a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6, exact: bool = False
+) -> None:
     """Assert two pytrees have the same structure, non-array leaves and (close) array leaves."""
     a = autoflat.unwrap(a)
     b = autoflat.unwrap(b)
@@ -22,7 +24,13 @@ def tree_allclose(a: Any, b: Any, *, rtol: float = 1e-5, atol: float = 1e-6, exa
             if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
                 x, y = jax.random.key_data(x), jax.random.key_data(y)
             x, y = np.asarray(x), np.asarray(y)
-            assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape, x.dtype, y.dtype)
+            assert x.shape == y.shape and x.dtype == y.dtype, (
+                i,
+                x.shape,
+                y.shape,
+                x.dtype,
+                y.dtype,
+            )
             if exact:
                 np.testing.assert_array_equal(x, y, err_msg=f"leaf {i}")
             else:

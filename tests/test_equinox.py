@@ -90,7 +90,10 @@ def _run(step, state_args, xs, n, k):
 def test_mlp_with_activation_fields(k, n):
     model = eqx.nn.MLP(3, 2, 16, 2, activation=jax.nn.gelu, key=jax.random.key(0))
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
-    xs = (jax.random.normal(jax.random.key(1), (n, 8, 3)), jax.random.normal(jax.random.key(2), (n, 8, 2)))
+    xs = (
+        jax.random.normal(jax.random.key(1), (n, 8, 3)),
+        jax.random.normal(jax.random.key(2), (n, 8, 2)),
+    )
     (rm, ro), rl = _reference(mlp_update, [model, opt_state], xs, n)
     step = autoflat.step(mlp_update, num_steps=k)
     (m, o), losses = _run(step, [model, opt_state], xs, n, k)

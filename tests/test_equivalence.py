@@ -194,7 +194,10 @@ def test_per_step_prng_keys_both_kinds():
     params = make_params("tuple", jax.random.key(0))
     opt_state = tx.init(params)
     batches = make_batches(jax.random.key(1), 6)
-    for keys in (jax.random.split(jax.random.key(2), 6), jax.random.split(jax.random.PRNGKey(2), 6)):
+    for keys in (
+        jax.random.split(jax.random.key(2), 6),
+        jax.random.split(jax.random.PRNGKey(2), 6),
+    ):
         ref = jax.jit(update)
         rp, ro = params, opt_state
         ref_losses = []

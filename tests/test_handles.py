@@ -25,9 +25,7 @@ def identity(x):
 
 
 def _mlp():
-    return eqx.nn.MLP(
-        3, 2, 8, 2, activation=relu, final_activation=identity, key=jax.random.key(0)
-    )
+    return eqx.nn.MLP(3, 2, 8, 2, activation=relu, final_activation=identity, key=jax.random.key(0))
 
 
 def _loss(model, batch):

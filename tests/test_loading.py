@@ -55,7 +55,10 @@ def test_live_closure_cells():
 def test_linecache_and_inspect():
     step = autoflat.step(scaled)
     program = step.programs[0]
-    assert program.filename == f"<autoflat:scaled:0 from test_loading.py:{scaled.__code__.co_firstlineno}>"
+    assert (
+        program.filename
+        == f"<autoflat:scaled:0 from test_loading.py:{scaled.__code__.co_firstlineno}>"
+    )
     assert "".join(linecache.getlines(program.filename)) == autoflat.show(step, print_=False)
     assert inspect.getsource(program.fn).startswith("    def scaled(")
 
@@ -94,7 +97,9 @@ def test_calling_conventions():
     assert (float(a), float(b), float(c)) == (2.0, 3.0, 4.0)
     assert step.__doc__ == "A docstring."
     assert step.__name__ == "update"
-    with pytest.raises(autoflat.AutoflatError, match=r"missing a required argument: 'batch'") as info:
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"missing a required argument: 'batch'"
+    ) as info:
         step(m)
     assert "update(model, batch" in str(info.value)
     with pytest.raises(autoflat.AutoflatError, match="unexpected keyword"):

@@ -41,7 +41,9 @@ def test_remainder_chunk_and_length_errors():
     s, out = acc(s, _ones(2))  # the 2-step version is compiled once
     assert acc.stats.traces == 2
     assert int(s["n"]) == 8
-    with pytest.raises(autoflat.AutoflatError, match="leading axis of 5, more than num_steps") as info:
+    with pytest.raises(
+        autoflat.AutoflatError, match="leading axis of 5, more than num_steps"
+    ) as info:
         acc(s, _ones(5))
     assert "accumulate" in str(info.value) and "test_runtime.py" in str(info.value)
     # still usable after the error
@@ -66,7 +68,9 @@ def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():
 
     scanned = autoflat.step(grow, num_steps=2)
     s = {"w": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
-    with pytest.raises(autoflat.AutoflatError, match=r"state\['count'\]: an array became non-array int 1"):
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"state\['count'\]: an array became non-array int 1"
+    ):
         scanned(s, jnp.ones(2))
     single = autoflat.step(grow)
     out = single(s, jnp.float32(1.0))
@@ -80,7 +84,9 @@ def test_shape_change_in_scan():
         state = jnp.concatenate([state, x[None]])
         return state
 
-    with pytest.raises(autoflat.AutoflatError, match=r"array float32\[1\] became array float32\[2\]"):
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"array float32\[1\] became array float32\[2\]"
+    ):
         autoflat.step(widen, num_steps=2)(jnp.zeros(1), jnp.ones(2))
 
 

@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 import autoflat
 
 pytestmark = pytest.mark.skipif(
-    jax.device_count() < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+    jax.device_count() < 8,
+    reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)",
 )
 
 tx = optax.adam(1e-2)

@@ -1,0 +1,79 @@
+"""Development sessions: `nox -s tests`, `lint`, `typecheck`, `slow`, `bench`.
+
+Every session passes `session.posargs` on, e.g. `nox -s tests -- -k sharding`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+import nox
+
+
+def _add_pyenv_interpreters() -> None:
+    """Let nox find every interpreter that pyenv installed (its shims only expose the global
+    one), so `nox -s tests` runs on 3.11 and 3.12 wherever pyenv has them."""
+    pyenv = shutil.which("pyenv")
+    if pyenv is None:
+        return
+    root = subprocess.run(
+        [pyenv, "root"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    bins = sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin")))
+    if bins:
+        os.environ["PATH"] = os.pathsep.join([*bins, os.environ.get("PATH", "")])
+
+
+_add_pyenv_interpreters()
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHONS = ["3.11", "3.12"]
+
+
+@nox.session(python=PYTHONS)
+def tests(session: nox.Session) -> None:
+    """The test suite (without the long tests), on Python 3.11 (JAX 0.10) and 3.12 (JAX 0.12)."""
+    session.install("-e", ".[tests]")
+    session.run("python", "-m", "pytest", "-m", "not slow", *session.posargs)
+
+
+@nox.session(python="3.11")
+def slow(session: nox.Session) -> None:
+    """The long tests only."""
+    session.install("-e", ".[tests]")
+    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff (E, F, I, UP, B) and its formatter check."""
+    session.install("ruff>=0.6")
+    session.run(
+        "ruff",
+        "check",
+        "autoflat",
+        "tests",
+        "benchmarks",
+        "examples",
+        "noxfile.py",
+        *session.posargs,
+    )
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """mypy on the package."""
+    session.install("-e", ".", "mypy>=1.10")
+    session.run("mypy", "autoflat", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+    """Host-overhead benchmarks (figures for the docs and issue notes; not a test)."""
+    session.install("-e", ".[tests]")
+    session.run("python", "benchmarks/bench_overhead.py", *session.posargs)
