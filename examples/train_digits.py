@@ -1,0 +1,182 @@
+"""The flagship example: train a residual MLP on scikit-learn's handwritten digits.
+
+The update function is ordinary JAX + optax. `@autoflat.step(num_steps=10)` runs ten of them
+per call, with the parameters and optimizer state crossing `jax.jit` as flat leaf lists.
+The script prints the generated code, trains with a progress bar, reports test accuracy, and
+ends with the time per step of plain `jax.jit` against autoflat, measured in this run.
+
+    python examples/train_digits.py            # full run (about a minute on 2 CPU cores)
+    python examples/train_digits.py --smoke    # a few steps, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from tqdm import tqdm
+
+import autoflat
+
+BLOCKS = 8
+WIDTH = 64
+BATCH = 32
+NUM_STEPS = 10
+
+
+def init_params(key: jax.Array) -> dict:
+    """A residual MLP: input layer, BLOCKS residual blocks with layer norm, output layer."""
+    keys = jax.random.split(key, BLOCKS + 2)
+
+    def dense(k, n_in, n_out):
+        return {"w": jax.random.normal(k, (n_in, n_out)) / jnp.sqrt(n_in), "b": jnp.zeros(n_out)}
+
+    return {
+        "inp": dense(keys[0], 64, WIDTH),
+        "blocks": [
+            {**dense(k, WIDTH, WIDTH), "scale": jnp.ones(WIDTH), "shift": jnp.zeros(WIDTH)}
+            for k in keys[1:-1]
+        ],
+        "out": dense(keys[-1], WIDTH, 10),
+    }
+
+
+def forward(params: dict, x: jax.Array) -> jax.Array:
+    h = jax.nn.gelu(x @ params["inp"]["w"] + params["inp"]["b"])
+    for block in params["blocks"]:
+        z = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-5)
+        z = z * block["scale"] + block["shift"]
+        h = h + jax.nn.gelu(z @ block["w"] + block["b"])
+    return h @ params["out"]["w"] + params["out"]["b"]
+
+
+def loss_fn(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    logits = forward(params, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+tx = optax.adamw(3e-3, weight_decay=1e-4)
+
+
+def update(params, opt_state, x, y):
+    """One training step, written as for `jax.jit`."""
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss
+
+
+train_step = autoflat.step(update, num_steps=NUM_STEPS)
+
+
+@jax.jit
+def accuracy(params, x, y):
+    return jnp.mean(jnp.argmax(forward(params, x), -1) == y)
+
+
+def epoch_batches(rng: np.random.Generator, x: np.ndarray, y: np.ndarray):
+    """One epoch as arrays of shape (steps, BATCH, ...), reshuffled."""
+    order = rng.permutation(len(x))
+    steps = len(x) // BATCH
+    idx = order[: steps * BATCH].reshape(steps, BATCH)
+    return jnp.asarray(x[idx]), jnp.asarray(y[idx])
+
+
+def time_per_step(run, steps: int, repeats: int = 5) -> float:
+    """Median seconds per step of `run(steps)`, which must block on its result."""
+    run(steps)  # warm up (compile)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(steps)
+        times.append((time.perf_counter() - start) / steps)
+    return float(np.median(times))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true", help="a few steps only (CI)")
+    args = parser.parse_args()
+    epochs = 1 if args.smoke else args.epochs
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int32)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0)
+    print(f"autoflat {autoflat.__version__}, jax {jax.__version__}, devices: {jax.devices()}")
+    print(f"digits: {len(x_train)} train / {len(x_test)} test images of 8x8 pixels")
+
+    params = init_params(jax.random.key(0))
+    opt_state = tx.init(params)
+    n_leaves = len(jax.tree.leaves((params, opt_state)))
+    print(f"state: {n_leaves} arrays (parameters and AdamW moments)\n")
+    print("The code autoflat runs (first lines of autoflat.show(train_step)):")
+    generated = autoflat.show(train_step, print_=False).splitlines()
+    print("\n".join("    " + line for line in generated[:14]) + "\n    ...\n")
+
+    rng = np.random.default_rng(0)
+    steps_per_epoch = len(x_train) // BATCH
+    with tqdm(total=epochs * steps_per_epoch, unit="step", desc="training") as bar:
+        for epoch in range(epochs):
+            xs, ys = epoch_batches(rng, x_train, y_train)
+            for start in range(0, steps_per_epoch, NUM_STEPS):
+                stop = min(start + NUM_STEPS, steps_per_epoch)
+                params, opt_state, losses = train_step(
+                    params, opt_state, xs[start:stop], ys[start:stop]
+                )
+                bar.update(stop - start)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{float(losses[-1]):.4f}")
+    acc = float(accuracy(params, jnp.asarray(x_test), jnp.asarray(y_test)))
+    print(f"test accuracy: {acc:.1%}  (about 98% is expected after 30 epochs)")
+    stats = autoflat.stats(train_step)
+    print(
+        f"autoflat: {stats.calls} calls, {stats.fast_path} state arguments on the fast path, "
+        f"{stats.flattens} host flattens, {stats.traces} compiles, {stats.rebuilds} rebuilds\n"
+    )
+
+    # Time per step, measured here: the same update three ways.
+    xs, ys = epoch_batches(rng, x_train, y_train)
+    steps = 10 if args.smoke else 40
+    fresh = init_params(jax.random.key(1))
+    plain = jax.jit(update)
+
+    def run_plain(n):
+        p, o = fresh, tx.init(fresh)
+        for i in range(n):
+            p, o, loss = plain(p, o, xs[i], ys[i])
+        jax.block_until_ready(loss)
+
+    def run_autoflat(k):
+        step = autoflat.step(update, num_steps=k)
+
+        def run(n):
+            p, o = fresh, tx.init(fresh)
+            for start in range(0, n, k):
+                if k == 1:
+                    p, o, loss = step(p, o, xs[start], ys[start])
+                else:
+                    p, o, loss = step(p, o, xs[start : start + k], ys[start : start + k])
+            jax.block_until_ready(loss)
+
+        return run
+
+    rows = [
+        ("plain jax.jit", time_per_step(run_plain, steps)),
+        ("autoflat num_steps=1", time_per_step(run_autoflat(1), steps)),
+        ("autoflat num_steps=10", time_per_step(run_autoflat(10), steps)),
+    ]
+    base = rows[0][1]
+    print(f"| method | time per step | speed-up vs jax.jit |\n|---|---:|---:|")
+    for name, t in rows:
+        print(f"| {name} | {t * 1e6:8.1f} us | {base / t:5.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
