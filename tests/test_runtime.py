@@ -177,3 +177,25 @@ def test_clear_caches_keeps_steps_usable():
     autoflat.clear_caches()
     s, _ = acc(s, _ones(4))
     assert acc.stats.traces == 2 and int(s["n"]) == 8
+
+
+def test_unroll_is_passed_to_scan():
+    def f(state, x):
+        state = state * 0.5 + x
+        return state, state * 2
+
+    a = autoflat.step(f, num_steps=4, unroll=2)
+    b = autoflat.step(f, num_steps=4)
+    xs = jnp.arange(4.0, dtype=jnp.float32)
+    (sa, oa), (sb, ob) = a(jnp.float32(1.0), xs), b(jnp.float32(1.0), xs)
+    assert float(sa) == float(sb) and oa.tolist() == ob.tolist()
+    text = str(jax.make_jaxpr(a._entry, static_argnums=0)(*_spec_args(a, xs)))
+    assert "unroll=2" in text
+
+
+def _spec_args(step, xs):
+    """The arguments of a step's traced entry point for a (scalar state, xs) call."""
+    structure, arrays = autoflat._structure.flatten(jnp.float32(1.0))
+    program = step._base
+    spec = step._new_spec(("test",), program, [structure], [None], [], ())
+    return spec, ([arrays[0]],), (xs,), ()
