@@ -173,7 +173,7 @@ def main() -> None:
         ("autoflat num_steps=10", time_per_step(run_autoflat(10), steps)),
     ]
     base = rows[0][1]
-    print(f"| method | time per step | speed-up vs jax.jit |\n|---|---:|---:|")
+    print("| method | time per step | speed-up vs jax.jit |\n|---|---:|---:|")
     for name, t in rows:
         print(f"| {name} | {t * 1e6:8.1f} us | {base / t:5.2f}x |")
 
