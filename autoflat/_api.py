@@ -158,8 +158,10 @@ def show(fn: Step, *, print_: bool = True) -> str:
 
     **Returns:**
 
-    The generated source. Where one step was compiled for several sets of roles (a mutable
-    module seen at run time), the most recent one.
+    The generated source. Roles are inferred from the source when the step is decorated and
+    completed with run-time types at its first call (a Flax NNX module argument becomes state):
+    before the first call this shows the roles from the source alone; after it, the most
+    recently generated version.
 
     ```python
     >>> import autoflat

@@ -75,15 +75,6 @@ ROLE_CONFLICT = """\
 {first} and {second}. Give each parameter at most one of state=, broadcast=, static_argnames=.
 """
 
-STATE_NOT_CARRIED = """\
-`{param}` of `{name}` ({where}) is named in state= but autoflat cannot carry it from step to \
-step: it is not returned by name, not assigned into, and not a mutable module.
-
-Return it by name at the top level of every `return`:
-
-    return {param}, loss
-"""
-
 BAD_CALL = """\
 Calling `{name}` ({where}): {reason}.
 
@@ -138,6 +129,17 @@ updated value back into the caller's object, but the part at `{path}` is immutab
 ({type}). Return `{param}` from the step instead:
 
     return {param}, ...
+"""
+
+SHARED_VARIABLE = """\
+`{name}` ({where}): the same nnx.Variable is reachable as `{first}` and as `{second}` (a shared \
+submodule, tied weights, or one object passed twice). autoflat moves Flax NNX objects across \
+`jax.jit` as pytrees, which would split it into two copies that are updated apart.
+
+Reach each Variable once: pass the shared submodule from one place only (for example the
+model, and not also a second argument holding the same layer), or tie weights by reusing the
+module's parameter in `__call__` rather than storing the module twice. `nnx.jit` in graph
+mode handles shared references, at a higher cost per call.
 """
 
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"

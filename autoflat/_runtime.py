@@ -34,6 +34,7 @@ from ._errors import (
     BAD_CALL,
     BAD_SCAN_LENGTH,
     CANNOT_WRITE_BACK,
+    SHARED_VARIABLE,
     STRUCTURE_CHANGED,
     UNHASHABLE_STATIC,
     AutoflatError,
@@ -277,6 +278,8 @@ class Step:
         self.lazy = lazy
         # With lazy=False: per state position, the last (object, handle) this step returned.
         self._last: dict[int, tuple[Any, LazyHandle]] = {}
+        # Mutation-style state: per state position, (caller's object, the arrays written in).
+        self._written: dict[int, tuple[Any, list[Any]]] = {}
         self.stats = Stats()
         self._origin = Origin(self._analysis.name, self._analysis.where, self.stats)
         self._programs: dict[Roles, Program] = {}
@@ -392,11 +395,13 @@ class Step:
             s, arrs = flatten(LazyHandle._af_get(a) if type(a) is LazyHandle else a)
             stats.flattens += 1
             placements.append(placement_of(arrs))
-            if donate and arrs:
+            if donate and arrs and not self._wrote_these(k, a, arrs):
                 arrs = _copy_leaves(arrs)
                 stats.copies += 1
             structures.append(s)
             leaves.append(arrs)
+        if self._may_mutate:
+            _check_nnx_sharing(self, program, args)
         if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
             # The same handle twice: donating its buffers twice would fail. Copy the repeats.
             seen: set[int] = set()
@@ -459,6 +464,10 @@ class Step:
             handles.append(LazyHandle(flat.structure, flat.arrays, placement, origin, names[k]))
         for k, i in program.written_back_idx:
             self._write_back(args[i], handles[k], names[k])
+            if type(args[i]) is not LazyHandle:
+                # The caller's object now holds buffers this call produced: the next call may
+                # donate them without a copy if they are still the ones we wrote.
+                self._written[k] = (args[i], handles[k]._af_arrays)
         if not self.lazy:
             last.clear()
             for k, h in enumerate(handles):
@@ -474,6 +483,13 @@ class Step:
         if layout == "single":
             return items[0]
         return tuple(items)
+
+    def _wrote_these(self, k: int, target: Any, arrays: list[Any]) -> bool:
+        """Whether `target` still holds exactly the buffers the last call wrote into it."""
+        written = self._written.get(k)
+        if written is None or written[0] is not target or len(written[1]) != len(arrays):
+            return False
+        return all(x is y for x, y in zip(arrays, written[1], strict=True))
 
     def _unhashable(self, program: Program, static: tuple[Any, ...]) -> None:
         for p, v in zip(program.roles.of("static"), static, strict=True):
@@ -519,6 +535,12 @@ class Step:
                 object.__setattr__(target, slot, object.__getattribute__(new, slot))
             object.__setattr__(target, "_af_obj", _UNBUILT)
             object.__setattr__(target, "_af_consumed_by", 0)
+            return
+        if is_mutable_module(target):
+            # Flax NNX: set the new values into the caller's own Variables, as nnx.jit does.
+            from flax import nnx
+
+            nnx.update(target, nnx.state(LazyHandle._af_get(new)))
             return
         _assign_into(target, LazyHandle._af_get(new), param, "", self)
 
@@ -668,6 +690,36 @@ def _assign_into(target: Any, new: Any, param: str, path: str, step: Step) -> No
     _cannot(step, param, path or "(the whole value)", type(target))
 
 
+def _check_nnx_sharing(step: Step, program: Program, args: tuple[Any, ...]) -> None:
+    """Flax NNX objects travel as pytrees, which would split a Variable reachable twice (a
+    shared submodule, tied weights, or one object passed as two arguments) into two copies
+    with diverging updates. Refuse that clearly instead."""
+    from flax import nnx
+
+    seen: dict[int, str] = {}
+    for name, i in zip(program.roles.state, program.state_idx, strict=True):
+        a = args[i]
+        if not is_mutable_module(a):
+            continue
+        paths, _ = jax.tree_util.tree_flatten_with_path(
+            a, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        for path, var in paths:
+            if not isinstance(var, nnx.Variable):
+                continue
+            where_ = f"{name}{jax.tree_util.keystr(path)}"
+            first = seen.setdefault(id(var), where_)
+            if first != where_:
+                raise AutoflatError(
+                    SHARED_VARIABLE.format(
+                        name=step.__qualname__,
+                        where=step._analysis.where,
+                        first=first,
+                        second=where_,
+                    )
+                )
+
+
 def _check_writable(step: Step, treedef: Any, names: tuple[str, ...], k: int) -> None:
     """Before the call: can the caller's object be updated in place afterwards?"""
     path = _unwritable_path(treedef, "")
@@ -706,7 +758,7 @@ def _is_mutable_container(x: Any) -> bool:
         or _structure.is_array(x)
     ):
         return False
-    if not hasattr(x, "__dict__") or callable(x) and not hasattr(type(x), "__dataclass_fields__"):
+    if not hasattr(x, "__dict__") or inspect.isroutine(x) or isinstance(x, type):
         return False
     params = getattr(type(x), "__dataclass_params__", None)
     if params is not None and params.frozen:

@@ -1,0 +1,162 @@
+"""Flax NNX: mutation-style train steps written as in the Flax docs, functional NNX steps,
+and shared references; results equal `nnx.jit` loops."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+
+import autoflat
+
+nnx = pytest.importorskip("flax.nnx", reason="Flax is not installed")
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*\\.value.*:DeprecationWarning")
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+def make():
+    model = Model(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+    return model, optimizer, metrics
+
+
+def train_step(model, optimizer, metrics, x, y):
+    def loss_fn(model):
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, logits
+
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)  # mutation, nothing returned
+    metrics.update(loss=loss, logits=logits, labels=y)
+
+
+def _data(n):
+    xs = jax.random.normal(jax.random.key(0), (n, 16, 4))
+    ys = jax.random.randint(jax.random.key(1), (n, 16), 0, 3)
+    return xs, ys
+
+
+def _assert_same(objs, ref_objs):
+    for a, b in zip(objs, ref_objs, strict=True):
+        tree_allclose(nnx.state(a), nnx.state(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("k,n", [(1, 3), (3, 6), (4, 10)])
+def test_mutation_style_train_step_equals_nnx_jit(k, n):
+    xs, ys = _data(n)
+    ref_objs = make()
+    ref = nnx.jit(train_step)
+    objs = make()
+    step = autoflat.step(train_step, num_steps=k)
+    for start in range(0, n, k):
+        stop = min(start + k, n)
+        for i in range(start, stop):
+            ref(*ref_objs, xs[i], ys[i])
+        if k == 1:
+            out = step(*objs, xs[start], ys[start])
+        else:
+            out = step(*objs, xs[start:stop], ys[start:stop])
+        assert out is None
+        # after every call the caller's own objects show the updates, as with nnx.jit
+        _assert_same(objs, ref_objs)
+    model, optimizer, metrics = objs
+    ref_metrics = ref_objs[2].compute()
+    for key, value in metrics.compute().items():
+        np.testing.assert_allclose(value, ref_metrics[key], rtol=1e-5)
+    assert int(optimizer.step.value) == n
+    src = autoflat.show(step, print_=False)  # after a call: roles include run-time types
+    assert "# model: state (mutable module at run time)" in src
+    assert "# metrics: state (mutable module at run time)" in src
+    stats = autoflat.stats(step)
+    calls = -(-n // k)
+    assert stats.copies == 3  # the caller's buffers are copied once; later calls donate ours
+    assert stats.traces == (2 if n % k else 1)
+    assert stats.calls == calls
+
+
+def test_eval_mode_between_calls_is_seen():
+    xs, ys = _data(4)
+
+    def eval_step(model, metrics, x, y):
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        metrics.update(loss=loss, logits=logits, labels=y)
+
+    model, optimizer, metrics = make()
+    step = autoflat.step(train_step, num_steps=2)
+    evaluate = autoflat.step(eval_step, num_steps=2)
+    step(model, optimizer, metrics, xs[:2], ys[:2])
+    model.eval()  # a static flag: the next call sees it and compiles the eval version
+    before = nnx.state(model, nnx.BatchStat)
+    metrics.reset()
+    evaluate(model, metrics, xs[2:], ys[2:])
+    tree_allclose(nnx.state(model, nnx.BatchStat), before, exact=True)  # no stat updates
+    ref_model, _, ref_metrics = make()
+    nnx.jit(train_step)(
+        ref_model,
+        nnx.Optimizer(ref_model, optax.adam(1e-2), wrt=nnx.Param),
+        ref_metrics,
+        xs[0],
+        ys[0],
+    )
+    model.train()
+    step(model, optimizer, metrics, xs[2:], ys[2:])
+    assert int(optimizer.step.value) == 4
+
+
+def test_functional_nnx_step_returns_new_objects():
+    def functional_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return model, optimizer, loss
+
+    xs, ys = _data(6)
+    ref_model, ref_opt, _ = make()
+    ref = nnx.jit(functional_step)
+    for i in range(6):
+        ref_model, ref_opt, _ = ref(ref_model, ref_opt, xs[i], ys[i])
+    model, optimizer, _ = make()
+    step = autoflat.step(functional_step, num_steps=3)
+    model, optimizer, losses = step(model, optimizer, xs[:3], ys[:3])
+    model, optimizer, losses = step(model, optimizer, xs[3:], ys[3:])
+    assert losses.shape == (3,)
+    assert autoflat.stats(step).fast_path == 2  # returned NNX objects come back as handles
+    assert isinstance(model, Model)
+    _assert_same([autoflat.unwrap(model), autoflat.unwrap(optimizer)], [ref_model, ref_opt])
+    assert model(jnp.ones((2, 4))).shape == (2, 3)
+
+
+def test_shared_references_are_a_clear_error():
+    model, optimizer, metrics = make()
+    xs, ys = _data(2)
+
+    def two_models(model, other, x):
+        model.l1.kernel.value = model.l1.kernel.value + jnp.sum(x)
+        other.l2.bias.value = other.l2.bias.value + 1.0
+
+    step = autoflat.step(two_models)
+    with pytest.raises(autoflat.AutoflatError, match=r"reachable as `model.*` and as `other.*`"):
+        step(model, model, xs[0])
+    # nothing was lost
+    train = autoflat.step(train_step)
+    train(model, optimizer, metrics, xs[0], ys[0])
+    assert int(optimizer.step.value) == 1
