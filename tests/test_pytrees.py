@@ -1,0 +1,110 @@
+"""Plain pytrees of every kind as state: dicts, lists, NamedTuples, flax.struct and
+register_dataclass dataclasses, None leaves, Python scalars, mixed dtypes, PRNG keys."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tree_allclose
+
+import autoflat
+
+
+class Pair(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Registered:
+    w: jax.Array
+    step: jax.Array
+    name: str = dataclasses.field(metadata=dict(static=True), default="reg")
+
+
+def _state():
+    return {
+        "list": [jnp.ones(3), jnp.zeros((2, 2))],
+        "pair": Pair(jnp.ones(2), jnp.arange(2, dtype=jnp.int32)),
+        "none": None,
+        "bf16": jnp.ones(4, jnp.bfloat16),
+        "counter": jnp.zeros((), jnp.int32),
+        "typed_key": jax.random.key(0),
+        "raw_key": jax.random.PRNGKey(1),
+        "registered": Registered(jnp.ones(2), jnp.zeros((), jnp.int32)),
+        "scale": 0.5,  # a Python scalar: static, as in eqx.filter_jit
+        "tag": "run-1",
+    }
+
+
+def update(state, x):
+    typed_key, sub = jax.random.split(state["typed_key"])
+    raw_key, raw_sub = jax.random.split(state["raw_key"])
+    noise = jax.random.normal(sub, (3,)) + jax.random.uniform(raw_sub, (3,))
+    state = {
+        "list": [state["list"][0] * state["scale"] + x + noise, state["list"][1] + 1.0],
+        "pair": Pair(state["pair"].a * 2.0, state["pair"].b + 1),
+        "none": None,
+        "bf16": (state["bf16"] * 1.5).astype(jnp.bfloat16),
+        "counter": state["counter"] + 1,
+        "typed_key": typed_key,
+        "raw_key": raw_key,
+        "registered": Registered(state["registered"].w + 1.0, state["registered"].step + 1),
+        "scale": state["scale"],
+        "tag": state["tag"],
+    }
+    return state, jnp.sum(state["list"][0])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_all_kinds_of_leaves(k):
+    xs = jnp.arange(8.0, dtype=jnp.float32)
+    # jax.jit cannot take the string leaf; eqx.filter_jit treats non-arrays as autoflat does
+    eqx = pytest.importorskip("equinox")
+    ref = eqx.filter_jit(update)
+    rs, ref_out = _state(), []
+    for i in range(8):
+        rs, o = ref(rs, xs[i])
+        ref_out.append(o)
+    step = autoflat.step(update, num_steps=k)
+    s, outs = _state(), []
+    for start in range(0, 8, k):
+        s, o = step(s, xs[start] if k == 1 else xs[start : start + k])
+        outs.append(jnp.atleast_1d(o))
+    real = autoflat.unwrap(s)
+    assert real["scale"] == 0.5 and real["tag"] == "run-1" and real["none"] is None
+    assert real["bf16"].dtype == jnp.bfloat16 and real["counter"].dtype == jnp.int32
+    assert jax.dtypes.issubdtype(real["typed_key"].dtype, jax.dtypes.prng_key)
+    assert real["raw_key"].dtype == jnp.uint32
+    assert isinstance(real["pair"], Pair) and isinstance(real["registered"], Registered)
+    tree_allclose(real, rs, rtol=1e-5)
+    np.testing.assert_allclose(jnp.concatenate(outs), jnp.stack(ref_out), rtol=1e-5)
+    assert int(real["counter"]) == 8
+
+
+def test_flax_struct_dataclass():
+    struct = pytest.importorskip("flax.struct")
+
+    @struct.dataclass
+    class TrainState:
+        params: dict
+        step: jax.Array
+        apply_name: str = struct.field(pytree_node=False, default="mlp")
+
+    def update(ts, x):
+        ts = ts.replace(params={"w": ts.params["w"] + x}, step=ts.step + 1)
+        return ts
+
+    step = autoflat.step(update, num_steps=3)
+    ts = TrainState(params={"w": jnp.zeros(2)}, step=jnp.zeros((), jnp.int32))
+    ts = step(ts, jnp.ones((3, 2)))
+    ts = step(ts, jnp.ones((3, 2)))
+    assert isinstance(ts, TrainState) and ts.apply_name == "mlp"
+    assert int(ts.step) == 6 and ts.params["w"].tolist() == [6.0, 6.0]
+    assert autoflat.stats(step).fast_path == 1
