@@ -278,6 +278,8 @@ class Step:
         self.lazy = lazy
         # With lazy=False: per state position, the last (object, handle) this step returned.
         self._last: dict[int, tuple[Any, LazyHandle]] = {}
+        # Broadcast arguments: per position, (object, structure, arrays) of an immutable one.
+        self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
         # Mutation-style state: per state position, (caller's object, the arrays written in).
         self._written: dict[int, tuple[Any, list[Any]]] = {}
         self.stats = Stats()
@@ -413,13 +415,20 @@ class Step:
 
         bcast_structures = []
         bcast_leaves = []
-        for i in program.bcast_idx:
+        for k, i in enumerate(program.bcast_idx):
             a = args[i]
             if type(a) is LazyHandle and not a._af_consumed_by:
                 s, arrs = LazyHandle._af_leaves(a)
             else:
-                s, arrs = flatten(a)
-                stats.flattens += 1
+                cached = self._bcast_last.get(k)
+                if cached is not None and cached[0] is a:
+                    # The same immutable object as last call (a frozen model): no flatten.
+                    s, arrs = cached[1], cached[2]
+                else:
+                    s, arrs = flatten(a)
+                    stats.flattens += 1
+                    if s.immutable:
+                        self._bcast_last[k] = (a, s, arrs)
             bcast_structures.append(s)
             bcast_leaves.append(arrs)
 
@@ -601,6 +610,9 @@ class Step:
 
     def clear_cache(self) -> None:
         self._specs.clear()
+        self._bcast_last.clear()
+        self._last.clear()
+        self._written.clear()
         self._jit = jax.jit(
             self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ()
         )

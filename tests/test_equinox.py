@@ -127,3 +127,91 @@ def test_cnn_with_batchnorm_state(k, n):
     inference = eqx.nn.inference_mode(autoflat.unwrap(m))
     logits, _ = inference(jnp.ones((1, 8, 8)), autoflat.unwrap(s))
     assert logits.shape == (10,)
+
+
+class DropoutMLP(eqx.Module):
+    layers: tuple
+    dropout: eqx.nn.Dropout
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.layers = (eqx.nn.Linear(3, 16, key=k1), eqx.nn.Linear(16, 2, key=k2))
+        self.dropout = eqx.nn.Dropout(0.3)
+
+    def __call__(self, x, *, key):
+        x = jax.nn.relu(self.layers[0](x))
+        x = self.dropout(x, key=key)
+        return self.layers[1](x)
+
+
+def dropout_update(model, opt_state, x, y, key):
+    def loss_fn(model):
+        keys = jax.random.split(key, x.shape[0])
+        pred = jax.vmap(lambda xi, ki: model(xi, key=ki))(x, keys)
+        return jnp.mean((pred - y) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    model = eqx.apply_updates(model, updates)
+    return model, opt_state, loss
+
+
+def test_dropout_with_per_step_keys():
+    n = 6
+    model = DropoutMLP(jax.random.key(0))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    xs = (
+        jax.random.normal(jax.random.key(1), (n, 8, 3)),
+        jax.random.normal(jax.random.key(2), (n, 8, 2)),
+        jax.random.split(jax.random.key(3), n),
+    )
+    (rm, ro), rl = _reference(dropout_update, [model, opt_state], xs, n)
+    (m, o), losses = _run(autoflat.step(dropout_update, num_steps=3), [model, opt_state], xs, n, 3)
+    tree_allclose(m, rm)
+    tree_allclose(o, ro)
+    np.testing.assert_allclose(losses, rl, rtol=1e-5)
+    # inference mode turns dropout off: the trained model runs without a key
+    frozen = eqx.nn.inference_mode(autoflat.unwrap(m))
+    assert frozen(jnp.ones(3), key=None).shape == (2,)
+
+
+def frozen_update(trainable, frozen, opt_state, x, y):
+    def loss_fn(trainable):
+        return mlp_loss(eqx.combine(trainable, frozen), x, y)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(trainable)
+    updates, opt_state = tx.update(grads, opt_state, trainable)
+    trainable = eqx.apply_updates(trainable, updates)
+    return trainable, opt_state, loss
+
+
+def test_partition_and_combine_for_frozen_parts():
+    n = 6
+    model = eqx.nn.MLP(3, 2, 16, 2, key=jax.random.key(0))
+    # train only the last layer: everything else is frozen (same for every step: broadcast)
+    spec = jax.tree.map(lambda _: False, model)
+    spec = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), spec, (True, True))
+    trainable, frozen = eqx.partition(model, spec)
+    opt_state = tx.init(trainable)
+    xs = (jax.random.normal(jax.random.key(1), (n, 8, 3)), jax.random.normal(jax.random.key(2), (n, 8, 2)))
+
+    ref = eqx.filter_jit(frozen_update)
+    rt, ro, rl = trainable, opt_state, []
+    for i in range(n):
+        rt, ro, loss = ref(rt, frozen, ro, xs[0][i], xs[1][i])
+        rl.append(loss)
+    step = autoflat.step(frozen_update, num_steps=3, broadcast="frozen")
+    assert "# frozen: broadcast (broadcast=)" in autoflat.show(step, print_=False)
+    t, o = trainable, opt_state
+    losses = []
+    for start in (0, 3):
+        t, o, loss = step(t, frozen, o, xs[0][start : start + 3], xs[1][start : start + 3])
+        losses.append(loss)
+    tree_allclose(t, rt)
+    tree_allclose(o, ro)
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(rl), rtol=1e-5)
+    # the frozen part is the same immutable object every call: flattened once only
+    assert autoflat.stats(step).flattens == 3  # trainable and opt_state once, frozen once
+    # the frozen layers did not move
+    final = eqx.combine(autoflat.unwrap(t), frozen)
+    tree_allclose(final.layers[0], model.layers[0], exact=True)
