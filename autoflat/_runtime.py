@@ -402,8 +402,9 @@ class Step:
                 stats.copies += 1
             structures.append(s)
             leaves.append(arrs)
+        nnx_vars: dict[int, list[Any]] = {}
         if self._may_mutate:
-            _check_nnx_sharing(self, program, args)
+            nnx_vars = _nnx_variables(self, program, args, leaves)
         if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
             # The same handle twice: donating its buffers twice would fail. Copy the repeats.
             seen: set[int] = set()
@@ -472,7 +473,14 @@ class Step:
                 placement = placement_of(flat.arrays)
             handles.append(LazyHandle(flat.structure, flat.arrays, placement, origin, names[k]))
         for k, i in program.written_back_idx:
-            self._write_back(args[i], handles[k], names[k])
+            variables = nnx_vars.get(k)
+            if variables is not None and state_out[k].structure is structures[k]:
+                # Flax NNX, same structure: set the new values straight into the caller's
+                # Variables (what nnx.update does, without traversing the graph again).
+                for v, arr in zip(variables, state_out[k].arrays, strict=True):
+                    _set_raw(v, arr)
+            else:
+                self._write_back(args[i], handles[k], names[k])
             if type(args[i]) is not LazyHandle:
                 # The caller's object now holds buffers this call produced: the next call may
                 # donate them without a copy if they are still the ones we wrote.
@@ -702,34 +710,67 @@ def _assign_into(target: Any, new: Any, param: str, path: str, step: Step) -> No
     _cannot(step, param, path or "(the whole value)", type(target))
 
 
-def _check_nnx_sharing(step: Step, program: Program, args: tuple[Any, ...]) -> None:
-    """Flax NNX objects travel as pytrees, which would split a Variable reachable twice (a
-    shared submodule, tied weights, or one object passed as two arguments) into two copies
-    with diverging updates. Refuse that clearly instead."""
+def _nnx_variables(
+    step: Step, program: Program, args: tuple[Any, ...], leaves: list[list[Any]]
+) -> dict[int, list[Any]]:
+    """The nnx.Variables of each Flax NNX state argument, in leaf order.
+
+    Refuses a Variable reachable twice (a shared submodule, tied weights, or one object passed
+    as two arguments): NNX objects travel as pytrees, which would split it into two copies
+    updated apart. Returns, per state position, the Variables when they line up one to one
+    with that argument's array leaves, for a direct write-back after the call.
+    """
     from flax import nnx
 
-    seen: dict[int, str] = {}
-    for name, i in zip(program.roles.state, program.state_idx, strict=True):
+    def is_variable(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    seen: set[int] = set()
+    out: dict[int, list[Any]] = {}
+    for k, i in enumerate(program.state_idx):
         a = args[i]
         if not is_mutable_module(a):
             continue
+        variables = [v for v in jax.tree_util.tree_leaves(a, is_leaf=is_variable) if is_variable(v)]
+        for v in variables:
+            if id(v) in seen:
+                _raise_shared(step, program, args, v)
+            seen.add(id(v))
+        arrays = leaves[k]
+        if len(variables) == len(arrays) and all(
+            np.shape(_get_raw(v)) == np.shape(x) for v, x in zip(variables, arrays, strict=True)
+        ):
+            out[k] = variables
+    return out
+
+
+def _get_raw(v: Any) -> Any:
+    get = getattr(v, "get_raw_value", None)
+    return get() if get is not None else v.raw_value
+
+
+def _set_raw(v: Any, value: Any) -> None:
+    set_ = getattr(v, "set_raw_value", None)
+    if set_ is not None:
+        set_(value)
+    else:
+        v.raw_value = value
+
+
+def _raise_shared(step: Step, program: Program, args: tuple[Any, ...], var: Any) -> None:
+    from flax import nnx
+
+    places = []
+    for name, i in zip(program.roles.state, program.state_idx, strict=True):
         paths, _ = jax.tree_util.tree_flatten_with_path(
-            a, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            args[i], is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
-        for path, var in paths:
-            if not isinstance(var, nnx.Variable):
-                continue
-            where_ = f"{name}{jax.tree_util.keystr(path)}"
-            first = seen.setdefault(id(var), where_)
-            if first != where_:
-                raise AutoflatError(
-                    SHARED_VARIABLE.format(
-                        name=step.__qualname__,
-                        where=step._analysis.where,
-                        first=first,
-                        second=where_,
-                    )
-                )
+        places += [f"{name}{jax.tree_util.keystr(p)}" for p, v in paths if v is var]
+    raise AutoflatError(
+        SHARED_VARIABLE.format(
+            name=step.__qualname__, where=step._analysis.where, first=places[0], second=places[1]
+        )
+    )
 
 
 def _check_writable(step: Step, treedef: Any, names: tuple[str, ...], k: int) -> None:
