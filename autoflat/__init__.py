@@ -20,6 +20,21 @@ from ._runtime import AutoflatRecompileWarning as AutoflatRecompileWarning
 from ._runtime import Stats as Stats
 from ._runtime import Step as Step
 
+
+def _hide_library_frames() -> None:
+    """JAX removes registered paths from the tracebacks it shows; hide autoflat's own frames
+    there too, so errors point at the user's code."""
+    import os
+
+    try:
+        from jax._src import traceback_util
+    except ImportError:  # pragma: no cover - a JAX without it
+        return
+    traceback_util.register_exclusion(os.path.dirname(__file__))
+
+
+_hide_library_frames()
+
 try:
     __version__ = importlib.metadata.version("autoflat")
 except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running from a checkout

@@ -311,7 +311,8 @@ def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
         if p.kind in kinds:
             params.append(Param(p.name, kinds[p.kind], p.default is not inspect.Parameter.empty))
         else:
-            variadic.append(p.name)
+            star = "*" if p.kind is inspect.Parameter.VAR_POSITIONAL else "**"
+            variadic.append(star + p.name)
     return tuple(params), variadic
 
 
@@ -380,6 +381,13 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
                 reason="its source does not start with a `def` statement",
             )
         )
+    if isinstance(funcdef.body, cst.SimpleStatementSuite):
+        # `def f(x): return x`: give the body its own indented line (same statement objects).
+        suite = funcdef.body
+        block = cst.IndentedBlock(body=[cst.SimpleStatementLine(body=suite.body)])
+        new_funcdef = funcdef.with_changes(body=block)
+        module = module.with_changes(body=[new_funcdef if s is funcdef else s for s in module.body])
+        funcdef = new_funcdef
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     positions = wrapper.resolve(meta.PositionProvider)
     params, variadic = _params(fn)
@@ -398,7 +406,7 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
             "async": "`async`/`await`",
             "global": "a `global` statement",
             "nonlocal": "a `nonlocal` statement",
-            "varargs": f"variadic parameters (*{', **'.join(variadic)})",
+            "varargs": f"variadic parameters ({', '.join(variadic)})",
         }[u.construct]
         raise AutoflatError(
             UNSUPPORTED.format(
@@ -416,7 +424,7 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         returns_all = (*returns, Return(last_line, "none", ()))
     else:
         returns_all = returns
-    _check_returns(name, returns_all)
+    _check_returns(name, where(filename, def_line), returns_all)
 
     body = funcdef.body
     body_first = positions[body.body[0]].start.line if isinstance(body, cst.IndentedBlock) else 0
@@ -461,7 +469,7 @@ def _shape(r: Return) -> tuple[str, int]:
     return r.kind, len(r.names)
 
 
-def _check_returns(name: str, returns: tuple[Return, ...]) -> None:
+def _check_returns(name: str, where_: str, returns: tuple[Return, ...]) -> None:
     """Every return must have the same kind and arity; state names are checked by roles."""
     if not returns:
         return
@@ -469,7 +477,9 @@ def _check_returns(name: str, returns: tuple[Return, ...]) -> None:
     for r in returns[1:]:
         if _shape(r) != _shape(first):
             raise AutoflatError(
-                RETURNS_DISAGREE.format(name=name, first=first.describe(), second=r.describe())
+                RETURNS_DISAGREE.format(
+                    name=name, where=where_, first=first.describe(), second=r.describe()
+                )
             )
 
 

@@ -9,6 +9,7 @@ from typing import Any, TypeVar, overload
 from . import _loading, _runtime
 from ._errors import AutoflatError
 from ._runtime import Stats, Step
+from ._transport import PackMode
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -50,6 +51,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
+    pack: bool | str = False,
 ) -> Step: ...
 
 
@@ -63,6 +65,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
+    pack: bool | str = False,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
@@ -76,6 +79,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
+    pack: bool | str = False,
 ) -> Any:
     """Compile a training step so that state crosses `jax.jit` as flat leaves, k steps a call.
 
@@ -106,6 +110,11 @@ def step(
       with other trees in multi-tree pytree operations (`jax.tree.map(f, a, b)`,
       `optax.apply_updates`, `eqx.partition`), which cannot accept a handle in place of the
       real type.
+    - `pack`: how state leaves travel across `jax.jit`. `False`: one buffer per array leaf.
+      `True`: every array leaf that is not sharded over several devices (and not a PRNG key)
+      is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at most
+      16,384 elements are packed; larger ones (weights) keep their own buffers. Fewer buffers
+      means less host time per call; packing costs device copies in and out of the buffers.
 
     **Returns:**
 
@@ -136,10 +145,17 @@ def step(
         donate=bool(donate),
         unroll=unroll,
         lazy=bool(lazy),
+        pack=_pack_mode(pack),
     )
     if fn is _sentinel:
         return make
     return make(fn)
+
+
+def _pack_mode(pack: Any) -> PackMode:
+    if pack is False or pack is True or pack == "auto":
+        return pack  # type: ignore[no-any-return]
+    raise AutoflatError(f'autoflat.step: pack must be False, True or "auto", got {pack!r}.')
 
 
 def _as_step(fn: Any) -> Step:

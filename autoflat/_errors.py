@@ -16,6 +16,9 @@ class AutoflatError(Exception):
     """
 
 
+AutoflatError.__module__ = "autoflat"
+
+
 def where(filename: str, line: int) -> str:
     """`file:line` as shown in messages (the file's base name keeps messages short)."""
     return f"{filename}:{line}"
@@ -54,7 +57,7 @@ UNSUPPORTED_ADVICE = {
 }
 
 RETURNS_DISAGREE = """\
-The `return` statements of `{name}` disagree: {first} but {second}.
+The `return` statements of `{name}` ({where}) disagree: {first} but {second}.
 
 autoflat needs every `return` of a step function to have the same shape, with the state it
 carries from step to step at the same positions, for example:
@@ -121,6 +124,15 @@ that call, which updated them in place. Use the value that call returned instead
 To keep an independent copy before the call, use `copy.deepcopy({param})` (or
 `jax.tree.map(jnp.copy, autoflat.unwrap({param}))`), or decorate with
 `@autoflat.step(..., donate=False)`.
+"""
+
+NOT_RETURNED = """\
+`{param}` of `{name}` ({where}) is state (named in state=) but no `return` gives it back by \
+name, and its value (a {type}) cannot be updated in place. Return it by name from every \
+`return`:
+
+    {param} = ...
+    return {param}, ...
 """
 
 CANNOT_WRITE_BACK = """\

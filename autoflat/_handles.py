@@ -43,6 +43,8 @@ class LazyHandle:
         "_af_origin",
         "_af_param",
         "_af_consumed_by",
+        "_af_layout",
+        "_af_unpacked",
         "__weakref__",
     )
 
@@ -61,6 +63,7 @@ class LazyHandle:
         placement: Placement | None = None,
         origin: Origin | None = None,
         param: str = "state",
+        layout: Any = None,
     ) -> None:
         set_ = object.__setattr__
         set_(self, "_af_structure", structure)
@@ -70,6 +73,8 @@ class LazyHandle:
         set_(self, "_af_origin", origin)
         set_(self, "_af_param", param)
         set_(self, "_af_consumed_by", 0)
+        set_(self, "_af_layout", layout)
+        set_(self, "_af_unpacked", None)
 
     # --- the real object -------------------------------------------------------------------
     def _af_check(self) -> None:
@@ -91,7 +96,7 @@ class LazyHandle:
         if obj is _UNBUILT:
             LazyHandle._af_check(self)
             structure = object.__getattribute__(self, "_af_structure")
-            obj = structure.unflatten(object.__getattribute__(self, "_af_arrays"))
+            obj = structure.unflatten(LazyHandle._af_leaf_arrays(self))
             object.__setattr__(self, "_af_obj", obj)
             origin = object.__getattribute__(self, "_af_origin")
             if origin is not None:
@@ -106,8 +111,22 @@ class LazyHandle:
         obj = object.__getattribute__(self, "_af_obj")
         structure = object.__getattribute__(self, "_af_structure")
         if obj is _UNBUILT or structure.immutable:
-            return structure, object.__getattribute__(self, "_af_arrays")
+            return structure, LazyHandle._af_leaf_arrays(self)
         return flatten(obj)
+
+    def _af_leaf_arrays(self) -> list[Any]:
+        """The array leaves (unpacked with one device call if they travel packed)."""
+        layout = object.__getattribute__(self, "_af_layout")
+        buffers = object.__getattribute__(self, "_af_arrays")
+        if layout is None:
+            return buffers
+        arrays = object.__getattribute__(self, "_af_unpacked")
+        if arrays is None:
+            from ._transport import unpack_on_device
+
+            arrays = unpack_on_device(layout, buffers)
+            object.__setattr__(self, "_af_unpacked", arrays)
+        return arrays
 
     # --- behave as the object --------------------------------------------------------------
     @property  # type: ignore[misc]

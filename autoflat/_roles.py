@@ -31,6 +31,8 @@ class Options:
     state: frozenset[str] = frozenset()
     broadcast: frozenset[str] = frozenset()
     static: frozenset[str] = frozenset()
+    # A method's instance (`self`), broadcast without the user asking.
+    instance: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,7 @@ def assign_roles(
     """
     check_options(analysis, options)
     params = analysis.param_names
-    explicit = options.broadcast | options.static
+    explicit = options.broadcast | options.static | {options.instance}
     returns = analysis.returns
     first = returns[0] if returns else None
 
@@ -156,7 +158,10 @@ def assign_roles(
                 if r.names[pos] != name:
                     raise AutoflatError(
                         RETURNS_DISAGREE.format(
-                            name=analysis.name, first=first.describe(), second=r.describe()
+                            name=analysis.name,
+                            where=analysis.where,
+                            first=first.describe(),
+                            second=r.describe(),
                         )
                     )
             returned_at[name] = pos
@@ -166,7 +171,10 @@ def assign_roles(
                 if name in returned_at and returned_at[name] != pos:
                     raise AutoflatError(
                         RETURNS_DISAGREE.format(
-                            name=analysis.name, first=first.describe(), second=r.describe()
+                            name=analysis.name,
+                            where=analysis.where,
+                            first=first.describe(),
+                            second=r.describe(),
                         )
                     )
 
@@ -177,6 +185,9 @@ def assign_roles(
         if p in options.static:
             roles.append("static")
             reasons.append("static_argnames=")
+        elif p == options.instance:
+            roles.append("broadcast")
+            reasons.append("the method's instance")
         elif p in options.broadcast:
             roles.append("broadcast")
             reasons.append("broadcast=")

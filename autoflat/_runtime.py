@@ -27,13 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _loading, _structure
+from . import _loading, _structure, _transport
 from ._analysis import Analysis, analyse, unwrap_function
 from ._codegen import GeneratedCode, generate
 from ._errors import (
     BAD_CALL,
     BAD_SCAN_LENGTH,
     CANNOT_WRITE_BACK,
+    NOT_RETURNED,
     SHARED_VARIABLE,
     STRUCTURE_CHANGED,
     UNHASHABLE_STATIC,
@@ -42,6 +43,7 @@ from ._errors import (
 from ._handles import _UNBUILT, LazyHandle, Origin
 from ._roles import Options, Roles, assign_roles, check_options, is_mutable_module
 from ._structure import FlatState, Placement, Structure, flatten, placement_of
+from ._transport import Layout, PackMode
 
 RECOMPILE_WARN_AFTER = 8
 
@@ -121,6 +123,7 @@ class CallSpec:
         "num_steps",
         "unroll",
         "step",
+        "layouts",
         "__weakref__",
     )
 
@@ -134,6 +137,7 @@ class CallSpec:
         num_steps: int,
         unroll: int | bool,
         step: Step,
+        layouts: tuple[Layout | None, ...] = (),
     ) -> None:
         self.program = program
         self.structures = structures
@@ -143,6 +147,7 @@ class CallSpec:
         self.num_steps = num_steps
         self.unroll = unroll
         self.step = step
+        self.layouts = layouts or (None,) * len(structures)
 
     def __repr__(self) -> str:
         return f"CallSpec({self.step.__name__}, static={self.static})"
@@ -256,6 +261,7 @@ class Step:
         donate: bool,
         unroll: int | bool,
         lazy: bool = True,
+        pack: PackMode = False,
     ) -> None:
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise AutoflatError(f"autoflat.step: num_steps must be an int >= 1, got {num_steps!r}.")
@@ -263,11 +269,18 @@ class Step:
         self._user_fn = unwrap_function(fn)
         self._analysis: Analysis = analyse(fn)
         params = self._analysis.param_names
-        if params and params[0] in ("self", "cls") and params[0] not in state | static_argnames:
+        instance = None
+        if (
+            params
+            and params[0] in ("self", "cls")
+            and params[0] not in state | static_argnames | broadcast
+        ):
             # A method: the instance is the same for every step (its arrays, if it is a pytree,
             # are broadcast; anything else is static).
-            broadcast = broadcast | {params[0]}
-        self._options = Options(state=state, broadcast=broadcast, static=static_argnames)
+            instance = params[0]
+        self._options = Options(
+            state=state, broadcast=broadcast, static=static_argnames, instance=instance
+        )
         check_options(self._analysis, self._options)
         self._signature = inspect.signature(self._user_fn)
         self._params = self._analysis.param_names
@@ -276,6 +289,9 @@ class Step:
         self.donate = donate
         self.unroll = unroll
         self.lazy = lazy
+        if pack not in (False, True, "auto"):
+            raise AutoflatError(f'autoflat.step: pack must be False, True or "auto", got {pack!r}.')
+        self.pack: PackMode = pack
         # With lazy=False: per state position, the last (object, handle) this step returned.
         self._last: dict[int, tuple[Any, LazyHandle]] = {}
         # Broadcast arguments: per position, (object, structure, arrays) of an immutable one.
@@ -290,6 +306,7 @@ class Step:
         self._last_trace_key: Any = None
         self._last_change = ""
         self._warned = False
+        self._pending_warning: str | None = None
         self._jit = jax.jit(self._entry, static_argnums=0, donate_argnums=(1,) if donate else ())
         # Roles from the source and options alone; fixed now so bad returns fail at decoration.
         self._base = self._program(assign_roles(self._analysis, self._options))
@@ -374,6 +391,8 @@ class Step:
         structures = []
         leaves = []
         placements = []
+        layouts: list[Layout | None] = []
+        unpacked: dict[int, list[Any]] = {}
         donated: list[LazyHandle] = []
         last = self._last
         for k, i in enumerate(program.state_idx):
@@ -391,20 +410,29 @@ class Step:
                 structures.append(a._af_structure)
                 leaves.append(a._af_arrays)
                 placements.append(a._af_placement)
+                layouts.append(a._af_layout)
                 donated.append(a)
                 stats.fast_path += 1
                 continue
             s, arrs = flatten(LazyHandle._af_get(a) if type(a) is LazyHandle else a)
             stats.flattens += 1
-            placements.append(placement_of(arrs))
-            if donate and arrs and not self._wrote_these(k, a, arrs):
+            placement = placement_of(arrs)
+            placements.append(placement)
+            unpacked[k] = arrs
+            layout = _transport.host_layout(arrs, placement, self.pack)
+            if layout is not None:
+                # Packing makes fresh buffers: they may be donated without a copy.
+                arrs = _transport.pack_on_device(layout, arrs)
+                stats.copies += 1
+            elif donate and arrs and not self._wrote_these(k, a, arrs):
                 arrs = _copy_leaves(arrs)
                 stats.copies += 1
             structures.append(s)
             leaves.append(arrs)
+            layouts.append(layout)
         nnx_vars: dict[int, list[Any]] = {}
         if self._may_mutate:
-            nnx_vars = _nnx_variables(self, program, args, leaves)
+            nnx_vars = _nnx_variables(self, program, args, unpacked)
         if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
             # The same handle twice: donating its buffers twice would fail. Copy the repeats.
             seen: set[int] = set()
@@ -437,13 +465,15 @@ class Step:
             if type(args[i]) is not LazyHandle:
                 _check_writable(self, structures[k].treedef, program.roles.state, k)
         static = tuple(args[i] for i in program.static_idx)
-        key = (program, *structures, *placements, *bcast_structures, *static)
+        key = (program, *structures, *placements, *layouts, *bcast_structures, *static)
         try:
             spec = self._specs.get(key)
         except TypeError:
             self._unhashable(program, static)
         if spec is None:
-            spec = self._new_spec(key, program, structures, placements, bcast_structures, static)
+            spec = self._new_spec(
+                key, program, structures, placements, bcast_structures, static, layouts
+            )
 
         xs = tuple(args[i] for i in program.scanned_idx)
         try:
@@ -459,6 +489,9 @@ class Step:
             )
             raise
 
+        if self._pending_warning is not None:
+            message, self._pending_warning = self._pending_warning, None
+            warnings.warn(message, AutoflatRecompileWarning, stacklevel=2)
         call = stats.calls
         if donate:
             for h in donated:
@@ -471,20 +504,22 @@ class Step:
             placement = placements[k]
             if placement is not None and flat.structure is not structures[k]:
                 placement = placement_of(flat.arrays)
-            handles.append(LazyHandle(flat.structure, flat.arrays, placement, origin, names[k]))
+            handles.append(
+                LazyHandle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
+            )
         for k, i in program.written_back_idx:
             variables = nnx_vars.get(k)
             if variables is not None and state_out[k].structure is structures[k]:
                 # Flax NNX, same structure: set the new values straight into the caller's
                 # Variables (what nnx.update does, without traversing the graph again).
-                for v, arr in zip(variables, state_out[k].arrays, strict=True):
+                for v, arr in zip(variables, LazyHandle._af_leaf_arrays(handles[k]), strict=True):
                     _set_raw(v, arr)
             else:
                 self._write_back(args[i], handles[k], names[k])
             if type(args[i]) is not LazyHandle:
                 # The caller's object now holds buffers this call produced: the next call may
                 # donate them without a copy if they are still the ones we wrote.
-                self._written[k] = (args[i], handles[k]._af_arrays)
+                self._written[k] = (args[i], LazyHandle._af_leaf_arrays(handles[k]))
         if not self.lazy:
             last.clear()
             for k, h in enumerate(handles):
@@ -493,11 +528,11 @@ class Step:
                 handles[k] = obj
 
         entries = program.entries
-        layout = program.roles.layout.kind
-        if layout == "none":
+        shape = program.roles.layout.kind
+        if shape == "none":
             return None
         items = [handles[j] if kind == "state" else outputs[j] for kind, j in entries]
-        if layout == "single":
+        if shape == "single":
             return items[0]
         return tuple(items)
 
@@ -531,6 +566,7 @@ class Step:
         placements: list[Placement | None],
         bcast_structures: list[Structure],
         static: tuple[Any, ...],
+        layouts: list[Layout | None] | None = None,
     ) -> CallSpec:
         spec = CallSpec(
             program,
@@ -541,6 +577,7 @@ class Step:
             self.num_steps,
             self.unroll,
             self,
+            tuple(layouts) if layouts is not None else (None,) * len(structures),
         )
         self._specs[key] = spec
         return spec
@@ -548,7 +585,13 @@ class Step:
     def _write_back(self, target: Any, new: LazyHandle, param: str) -> None:
         """Mutation-style state: make the caller's object show the new value."""
         if type(target) is LazyHandle:
-            for slot in ("_af_structure", "_af_arrays", "_af_placement"):
+            for slot in (
+                "_af_structure",
+                "_af_arrays",
+                "_af_placement",
+                "_af_layout",
+                "_af_unpacked",
+            ):
                 object.__setattr__(target, slot, object.__getattribute__(new, slot))
             object.__setattr__(target, "_af_obj", _UNBUILT)
             object.__setattr__(target, "_af_consumed_by", 0)
@@ -571,7 +614,10 @@ class Step:
     ) -> Any:
         self.stats.traces += 1
         self._note_trace(spec, state_leaves, xs, bcast_leaves)
-        state = tuple(FlatState(s, a) for s, a in zip(spec.structures, state_leaves, strict=True))
+        state = tuple(
+            FlatState(s, a if layout is None else _transport.unpack(layout, a))
+            for s, a, layout in zip(spec.structures, state_leaves, spec.layouts, strict=True)
+        )
         bcast = tuple(
             FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True)
         )
@@ -587,12 +633,25 @@ class Step:
                         for a, s in zip(flat.arrays, placement.shardings, strict=True)
                     ],
                 )
+            if self.pack:
+                # Back into buffers of the same layout (a new one if the structure changed).
+                same = flat.structure is spec.structures[k]
+                multi = (
+                    [s is not None for s in placement.shardings]
+                    if placement is not None and same
+                    else [False] * len(flat.arrays)
+                )
+                avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in flat.arrays]
+                layout = _transport.layout_for(avals, multi, self.pack)
+                if layout is not None:
+                    flat = FlatState(flat.structure, _transport.pack(layout, flat.arrays), layout)
             pinned.append(flat)
         return tuple(pinned), outputs
 
     def _note_trace(self, spec: CallSpec, state_leaves: Any, xs: Any, bcast_leaves: Any) -> None:
         shapes = jax.tree_util.tree_map(
-            lambda t: (t.shape, t.dtype), (state_leaves, xs, bcast_leaves)
+            lambda t: (t.shape, t.dtype, getattr(getattr(t, "aval", None), "weak_type", None)),
+            (state_leaves, xs, bcast_leaves),
         )
         key = (spec, shapes)
         last = self._last_trace_key
@@ -601,13 +660,12 @@ class Step:
         self._last_trace_key = key
         if self.stats.traces >= RECOMPILE_WARN_AFTER and not self._warned:
             self._warned = True
-            warnings.warn(
+            # Warned from __call__ once the call returns, so it points at the caller's line.
+            self._pending_warning = (
                 f"autoflat: `{self.__qualname__}` ({self._analysis.where}) has been traced and "
                 f"compiled {self.stats.traces} times; the last change was: {self._last_change}. "
                 "Keep structures, static arguments and input shapes fixed between calls (pad "
-                "the final batch, keep counters as arrays), or this step recompiles often.",
-                AutoflatRecompileWarning,
-                stacklevel=2,
+                "the final batch, keep counters as arrays), or this step recompiles often."
             )
 
     # --- conveniences -----------------------------------------------------------------------
@@ -660,7 +718,7 @@ def _describe_change(old: Any, new: Any) -> str:
     if old_spec.placements != new_spec.placements:
         return "the sharding of the state"
     if old_shapes != new_shapes:
-        return "the shapes or dtypes of the inputs"
+        return "the shapes, dtypes or weak types of the inputs"
     return "nothing autoflat can see (the jit cache was cleared?)"
 
 
@@ -711,7 +769,7 @@ def _assign_into(target: Any, new: Any, param: str, path: str, step: Step) -> No
 
 
 def _nnx_variables(
-    step: Step, program: Program, args: tuple[Any, ...], leaves: list[list[Any]]
+    step: Step, program: Program, args: tuple[Any, ...], leaves: dict[int, list[Any]]
 ) -> dict[int, list[Any]]:
     """The nnx.Variables of each Flax NNX state argument, in leaf order.
 
@@ -729,8 +787,8 @@ def _nnx_variables(
     out: dict[int, list[Any]] = {}
     for k, i in enumerate(program.state_idx):
         a = args[i]
-        if not is_mutable_module(a):
-            continue
+        if type(a) is LazyHandle or k not in leaves or not is_mutable_module(a):
+            continue  # handles are returned state, never written back
         variables = [v for v in jax.tree_util.tree_leaves(a, is_leaf=is_variable) if is_variable(v)]
         for v in variables:
             if id(v) in seen:
@@ -775,6 +833,12 @@ def _raise_shared(step: Step, program: Program, args: tuple[Any, ...], var: Any)
 
 def _check_writable(step: Step, treedef: Any, names: tuple[str, ...], k: int) -> None:
     """Before the call: can the caller's object be updated in place afterwards?"""
+    if treedef.node_data() is None:
+        raise AutoflatError(
+            NOT_RETURNED.format(
+                name=step.__qualname__, where=step._analysis.where, param=names[k], type="leaf"
+            )
+        )
     path = _unwritable_path(treedef, "")
     if path is not None:
         data = treedef.node_data()
@@ -838,3 +902,4 @@ def clear_all() -> None:
     for step in list(_all_steps):
         step.clear_cache()
     _structure.clear()
+    _transport.clear()

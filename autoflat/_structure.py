@@ -193,27 +193,29 @@ def placement_of(arrays: Sequence[Any]) -> Placement | None:
 
 
 class FlatState:
-    """State as it crosses the jit boundary: array leaves plus the (static) structure.
+    """State as it crosses the jit boundary: its buffers plus the (static) structure and
+    transport layout (None: one buffer per array leaf; see `_transport`).
 
-    A pytree node whose children are the arrays and whose aux data is the structure, so the
-    structure of state leaving a compiled call comes back with it at no host cost beyond one
-    node.
+    A pytree node whose children are the buffers and whose aux data is (structure, layout), so
+    the structure of state leaving a compiled call comes back with it at no host cost beyond
+    one node.
     """
 
-    __slots__ = ("structure", "arrays")
+    __slots__ = ("structure", "arrays", "layout")
 
-    def __init__(self, structure: Structure, arrays: Sequence[Any]):
+    def __init__(self, structure: Structure, arrays: Sequence[Any], layout: Any = None):
         self.structure = structure
         self.arrays = list(arrays)
+        self.layout = layout
 
     def __repr__(self) -> str:
-        return f"FlatState({self.structure!r})"
+        return f"FlatState({self.structure!r}, {self.layout!r})"
 
 
 jax.tree_util.register_pytree_node(
     FlatState,
-    lambda f: (f.arrays, f.structure),
-    lambda s, arrays: FlatState(s, arrays),
+    lambda f: (f.arrays, (f.structure, f.layout)),
+    lambda aux, arrays: FlatState(aux[0], arrays, aux[1]),
 )
 
 

@@ -170,3 +170,25 @@ def test_bad_options():
     _raises(functional, "state= names `nope`, which is not a parameter", state="nope")
     _raises(functional, "given two roles", broadcast="batch", static_argnames=["batch"])
     _raises(functional, "num_steps must be an int", num_steps=0)
+
+
+def test_one_line_function_and_kwargs_message():
+    def one(x): return x * 2  # noqa: E704  # fmt: skip
+
+    step = autoflat.step(one)
+    assert float(step(jnp.float32(2.0))) == 4.0
+    assert "return (), (x * 2,)" in autoflat.show(step, print_=False)
+
+    def kw(x, **options):
+        return x
+
+    _raises(kw, r"variadic parameters \(\*\*options\)")
+
+
+def test_state_option_on_a_value_not_returned_by_name():
+    def f(w, x):
+        return w + x
+
+    step = autoflat.step(f, state="w")
+    with pytest.raises(autoflat.AutoflatError, match="no `return` gives it back by name"):
+        step(jnp.ones(2), jnp.ones(2))

@@ -86,8 +86,7 @@ def _check_show(block: Block, namespace: dict, path: pathlib.Path) -> None:
     actual = autoflat.show(fn, print_=False)
     pasted = _normalize_show(block.code).splitlines()
     assert pasted == _normalize_show(actual).splitlines()[: len(pasted)], (
-        f"{path}:{block.line}: the pasted autoflat.show output is out of date; it is now:\n"
-        f"{actual}"
+        f"{path}:{block.line}: the pasted autoflat.show output is out of date; it is now:\n{actual}"
     )
 
 

@@ -193,7 +193,10 @@ def test_partition_and_combine_for_frozen_parts():
     spec = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), spec, (True, True))
     trainable, frozen = eqx.partition(model, spec)
     opt_state = tx.init(trainable)
-    xs = (jax.random.normal(jax.random.key(1), (n, 8, 3)), jax.random.normal(jax.random.key(2), (n, 8, 2)))
+    xs = (
+        jax.random.normal(jax.random.key(1), (n, 8, 3)),
+        jax.random.normal(jax.random.key(2), (n, 8, 2)),
+    )
 
     ref = eqx.filter_jit(frozen_update)
     rt, ro, rl = trainable, opt_state, []

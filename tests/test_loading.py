@@ -143,4 +143,4 @@ def test_method_decoration():
 
     m = Trainer(0.5).train(jnp.float32(0.0), jnp.ones(2, jnp.float32))
     assert float(m) == 1.0
-    assert "# self: broadcast (broadcast=)" in autoflat.show(Trainer.train, print_=False)
+    assert "# self: broadcast (the method's instance)" in autoflat.show(Trainer.train, print_=False)

@@ -1,0 +1,198 @@
+"""A ResNet50-shaped Flax NNX model with very narrow channels, for measuring host overhead.
+
+The Flax NNX counterpart of `models.NarrowResNet50`, with the same structure:
+
+- a stem: 7x7 stride-2 convolution, norm, ReLU, 3x3 stride-2 max pool;
+- four stages of bottleneck blocks, [3, 4, 6, 3] blocks, each bottleneck with three
+  convolutions (1x1, 3x3, 1x1) and three norms, and a projection shortcut (1x1 convolution
+  plus norm) in the first block of every stage;
+- global average pooling and a linear classifier.
+
+The convolutions have no bias, so there are the same 161 parameter arrays as ResNet50 (53
+conv kernels, 53 norm scales, 53 norm biases, the linear kernel and bias). Every bottleneck is
+`width` channels wide inside and `4 * width` outside, so the compute is tiny and a training
+step is dominated by the per-call host work of whatever runs it.
+
+Images are NHWC (Flax's layout). The default norm (`Norm`) matches the Equinox model's: a
+per-channel scale and bias, normalising over the batch and spatial axes of the batch it is
+given, with no running statistics, so the only state a train step changes is the parameters
+and the optimizer. `batchnorm=True` uses `nnx.BatchNorm` instead (training mode: it also
+updates running statistics, 106 more `nnx.BatchStat` arrays mutated by every step).
+
+The train steps:
+
+- `train_step(model, optimizer, x, y)`: the mutation style of the Flax docs
+  (`optimizer.update(model, grads)`, returns the loss);
+- `functional_train_step(model, optimizer, x, y)`: the same, returning
+  `model, optimizer, loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+STAGE_BLOCKS = (3, 4, 6, 3)
+STAGE_STRIDES = (1, 2, 2, 2)
+EXPANSION = 4
+
+_List: Any = getattr(nnx, "List", list)  # Flax >= 0.12 wants nnx.List for lists of modules
+
+
+class Norm(nnx.Module):
+    """Per-channel normalisation over batch and spatial axes (NHWC), with a learnable scale
+    and bias and no running statistics."""
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        self.scale = nnx.Param(jnp.ones((channels,)))
+        self.bias = nnx.Param(jnp.zeros((channels,)))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        mean = jnp.mean(x, axis=(0, 1, 2), keepdims=True)
+        var = jnp.var(x, axis=(0, 1, 2), keepdims=True)
+        x = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        return x * self.scale[...] + self.bias[...]
+
+
+def _norm(channels: int, batchnorm: bool, rngs: nnx.Rngs) -> nnx.Module:
+    if batchnorm:
+        return nnx.BatchNorm(channels, use_running_average=False, rngs=rngs)
+    return Norm(channels)
+
+
+def _conv(cin: int, cout: int, kernel: int, stride: int, rngs: nnx.Rngs) -> nnx.Conv:
+    pad = kernel // 2
+    return nnx.Conv(
+        cin,
+        cout,
+        kernel_size=(kernel, kernel),
+        strides=(stride, stride),
+        padding=((pad, pad), (pad, pad)),
+        use_bias=False,
+        kernel_init=nnx.initializers.he_normal(),
+        rngs=rngs,
+    )
+
+
+class Bottleneck(nnx.Module):
+    def __init__(self, cin: int, width: int, stride: int, batchnorm: bool, *, rngs: nnx.Rngs):
+        cout = width * EXPANSION
+        self.conv1 = _conv(cin, width, 1, 1, rngs)
+        self.norm1 = _norm(width, batchnorm, rngs)
+        self.conv2 = _conv(width, width, 3, stride, rngs)
+        self.norm2 = _norm(width, batchnorm, rngs)
+        self.conv3 = _conv(width, cout, 1, 1, rngs)
+        self.norm3 = _norm(cout, batchnorm, rngs)
+        if stride != 1 or cin != cout:
+            self.shortcut_conv = _conv(cin, cout, 1, stride, rngs)
+            self.shortcut_norm = _norm(cout, batchnorm, rngs)
+        else:
+            self.shortcut_conv = None
+            self.shortcut_norm = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nnx.relu(self.norm1(self.conv1(x)))
+        y = nnx.relu(self.norm2(self.conv2(y)))
+        y = self.norm3(self.conv3(y))
+        if self.shortcut_conv is None:
+            identity = x
+        else:
+            identity = self.shortcut_norm(self.shortcut_conv(x))
+        return nnx.relu(y + identity)
+
+
+class NarrowResNet50(nnx.Module):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        width: int = 2,
+        in_channels: int = 3,
+        batchnorm: bool = False,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.stem_conv = _conv(in_channels, width, 7, 2, rngs)
+        self.stem_norm = _norm(width, batchnorm, rngs)
+        cin = width
+        stages = []
+        for n_blocks, stride in zip(STAGE_BLOCKS, STAGE_STRIDES, strict=True):
+            blocks = []
+            for i in range(n_blocks):
+                blocks.append(Bottleneck(cin, width, stride if i == 0 else 1, batchnorm, rngs=rngs))
+                cin = width * EXPANSION
+            stages.append(_List(blocks))
+        self.stages = _List(stages)
+        self.fc = nnx.Linear(cin, num_classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Logits for a batch of NHWC images."""
+        x = nnx.relu(self.stem_norm(self.stem_conv(x)))
+        x = jax.lax.reduce_window(
+            x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (1, 1), (1, 1), (0, 0))
+        )
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return self.fc(x)
+
+
+def make_model(
+    seed: int = 0, num_classes: int = 10, width: int = 2, batchnorm: bool = False
+) -> NarrowResNet50:
+    return NarrowResNet50(num_classes=num_classes, width=width, batchnorm=batchnorm,
+                          rngs=nnx.Rngs(seed))
+
+
+def make_optimizer(model: nnx.Module, learning_rate: float = 1e-3) -> nnx.Optimizer:
+    return nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+
+
+def make_batch(
+    key: jax.Array, batch_size: int, image_size: int = 16, num_classes: int = 10
+) -> tuple[jax.Array, jax.Array]:
+    """A random (images NHWC float32, integer labels) batch."""
+    kx, ky = jax.random.split(key)
+    images = jax.random.normal(kx, (batch_size, image_size, image_size, 3))
+    labels = jax.random.randint(ky, (batch_size,), 0, num_classes)
+    return images, labels
+
+
+def loss_fn(model: NarrowResNet50, x: jax.Array, y: jax.Array) -> jax.Array:
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def train_step(model, optimizer, x, y):
+    """Mutation style, as in the Flax docs: updates `model` and `optimizer` in place."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+def functional_train_step(model, optimizer, x, y):
+    """The same step, returning the updated objects."""
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)
+    return model, optimizer, loss
+
+
+def count_leaves(*objs: Any) -> dict[str, int]:
+    """Array leaves of NNX objects' state, and how many are parameters."""
+    state = nnx.state(objs)
+    leaves = jax.tree_util.tree_leaves(state)
+    params = jax.tree_util.tree_leaves(nnx.state(objs, nnx.Param))
+    return {"arrays": len(leaves), "params": len(params)}
+
+
+if __name__ == "__main__":
+    m = make_model()
+    opt = make_optimizer(m)
+    print(count_leaves(m), count_leaves(m, opt))
+    b = make_batch(jax.random.PRNGKey(1), 8)
+    print(loss_fn(m, *b))
