@@ -145,8 +145,9 @@ class NarrowResNet50(nnx.Module):
 def make_model(
     seed: int = 0, num_classes: int = 10, width: int = 2, batchnorm: bool = False
 ) -> NarrowResNet50:
-    return NarrowResNet50(num_classes=num_classes, width=width, batchnorm=batchnorm,
-                          rngs=nnx.Rngs(seed))
+    return NarrowResNet50(
+        num_classes=num_classes, width=width, batchnorm=batchnorm, rngs=nnx.Rngs(seed)
+    )
 
 
 def make_optimizer(model: nnx.Module, learning_rate: float = 1e-3) -> nnx.Optimizer:

@@ -1,0 +1,214 @@
+"""Flat, packed and automatic transport of state, side by side in one process.
+
+    python benchmarks/bench_transport.py [--quick] [--json PATH]
+
+For three models, each trained with optax.adam by `@autoflat.step(num_steps=k, pack=...)`
+for k in 1 and 10 and pack in False (one buffer per leaf), True (every small-enough-to-pack
+leaf packed per dtype) and "auto" (only leaves of at most AUTO_MAX_ELEMENTS elements):
+
+a. the narrow ResNet50-structured Equinox model of `models.py` (161 arrays, 484 with Adam);
+b. a small MLP with ~300 tiny leaves (50 layers of 4x4 weights and biases, with Adam);
+c. a full-width MLP of 8.4M parameters (two 2048x2048 layers and small in/out layers).
+
+Reported per (model, k, pack): the host time per call (the time spent inside the Python
+call of the step, i.e. until JAX has dispatched it: argument handling, the executable's
+launch and the creation of its output buffers), the median time per step over repeats
+(calls back to back, one `block_until_ready` at the end of each timed block, so host work
+and device work overlap as in training: the end-to-end figure), spreads, ratios against
+pack=False, and the number of buffers per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import models  # noqa: E402
+
+import autoflat  # noqa: E402
+from autoflat import _transport  # noqa: E402
+
+tx = optax.adam(1e-3)
+
+
+def resnet_case(quick: bool) -> tuple[Any, Any, Any]:
+    model = models.make_model(jax.random.key(0), width=2)
+    batch = models.make_batch(jax.random.key(1), 4, image_size=16)
+    return model, batch, models.loss_fn
+
+
+def mlp_params(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def mlp_loss(params: list[dict[str, jax.Array]], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    for layer in params[:-1]:
+        x = jnp.tanh(x @ layer["w"] + layer["b"])
+    x = x @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean((x - y) ** 2)
+
+
+def tiny_mlp_case(quick: bool) -> tuple[Any, Any, Any]:
+    params = mlp_params(jax.random.key(0), [4] * 51)
+    batch = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
+    return params, batch, mlp_loss
+
+
+def wide_mlp_case(quick: bool) -> tuple[Any, Any, Any]:
+    width = 1024 if quick else 2048
+    params = mlp_params(jax.random.key(0), [64, width, width, width, 10])
+    batch = (jnp.ones((32, 64)), jnp.zeros((32, 10)))
+    return params, batch, mlp_loss
+
+
+def make_update(loss_fn: Any) -> Any:
+    def update(model, opt_state, batch):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        return model, opt_state, loss
+
+    return update
+
+
+def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, Any]]:
+    model, batch, loss_fn = case(quick)
+    update = make_update(loss_fn)
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    n_arrays = len(jax.tree.leaves(eqx.filter((model, opt_state), eqx.is_array)))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    rows = []
+    results: dict[tuple[int, Any], Any] = {}
+    for k in (1, 10):
+        batches = jax.tree.map(lambda x: jnp.stack([x] * k), batch) if k > 1 else batch
+        steps = {}
+        for pack in (False, True, "auto"):
+            step = autoflat.step(update, num_steps=k, pack=pack)
+            state = step(model, opt_state, batches)  # compile
+            state = step(*state[:2], batches)
+            jax.block_until_ready(state[2])
+            steps[pack] = [step, state]
+            results[(k, pack)] = state[2]
+        # calls per block: about 0.5 s
+        t0 = time.perf_counter()
+        s = steps[False]
+        for _ in range(3):
+            s[1] = s[0](*s[1][:2], batches)
+        jax.block_until_ready(s[1][2])
+        per_call = (time.perf_counter() - t0) / 3
+        n_calls = max(3, min(2000, int((0.15 if quick else 0.5) / max(per_call, 1e-6))))
+        times: dict[Any, list[float]] = {p: [] for p in steps}
+        host: dict[Any, list[float]] = {p: [] for p in steps}
+        clock = time.perf_counter
+        for r in range(repeats):
+            order = list(steps)[r % 3 :] + list(steps)[: r % 3]
+            for pack in order:
+                st = steps[pack]
+                t0 = clock()
+                for _ in range(n_calls):
+                    st[1] = st[0](*st[1][:2], batches)
+                jax.block_until_ready(st[1][2])
+                times[pack].append((clock() - t0) / n_calls / k)
+                # Host time of a call: the device idle when it starts, so the call returns
+                # as soon as it has dispatched (no back-pressure from earlier calls).
+                in_calls = 0.0
+                n_host = max(3, n_calls // 4)
+                for _ in range(n_host):
+                    jax.block_until_ready(st[1])
+                    c0 = clock()
+                    st[1] = st[0](*st[1][:2], batches)
+                    in_calls += clock() - c0
+                jax.block_until_ready(st[1])
+                host[pack].append(in_calls / n_host)
+        base = float(np.median(times[False]))
+        for pack in steps:
+            handle = steps[pack][1][0]
+            layout = handle._af_layout if autoflat.is_handle(handle) else None
+            opt_layout = steps[pack][1][1]._af_layout
+            buffers = sum(
+                (lay.n_buffers if lay is not None else len(h._af_arrays))
+                for lay, h in ((layout, steps[pack][1][0]), (opt_layout, steps[pack][1][1]))
+            )
+            med = float(np.median(times[pack]))
+            rows.append(
+                {
+                    "model": name,
+                    "arrays": n_arrays,
+                    "params": int(n_params),
+                    "num_steps": k,
+                    "pack": str(pack),
+                    "buffers": buffers,
+                    "us_per_step": med * 1e6,
+                    "min": min(times[pack]) * 1e6,
+                    "max": max(times[pack]) * 1e6,
+                    "vs_flat": med / base,
+                    "host_us_per_call": float(np.median(host[pack])) * 1e6,
+                    "host_vs_flat": float(np.median(host[pack])) / float(np.median(host[False])),
+                    "repeats_us": [t * 1e6 for t in times[pack]],
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 7)
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, backend {jax.default_backend()}"
+        f" ({jax.devices()[0].device_kind})"
+    )
+    print(
+        f"versions: python {platform.python_version()}, jax {jax.__version__}, "
+        f"equinox {eqx.__version__}, optax {optax.__version__}, autoflat {autoflat.__version__}"
+    )
+    print(f"pack='auto' packs leaves of at most {_transport.AUTO_MAX_ELEMENTS} elements")
+    rows = []
+    for name, case in (
+        ("a. narrow ResNet50 + adam", resnet_case),
+        ("b. tiny MLP (~300 leaves) + adam", tiny_mlp_case),
+        ("c. wide MLP (8.4M params) + adam", wide_mlp_case),
+    ):
+        print(f"running {name} ...", flush=True)
+        rows += run_case(name, case, args.quick, repeats)
+    print()
+    print(
+        "| model | arrays | num_steps | pack | buffers | host µs/call | host × flat "
+        "| µs/step (median) | spread | step × flat |"
+    )
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['arrays']} | {r['num_steps']} | {r['pack']} | {r['buffers']} | "
+            f"{r['host_us_per_call']:,.0f} | {r['host_vs_flat']:.2f} | "
+            f"{r['us_per_step']:,.0f} | {r['min']:,.0f}–{r['max']:,.0f} | {r['vs_flat']:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
