@@ -99,7 +99,7 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
     rows = []
     results: dict[tuple[int, Any], Any] = {}
     for k in (1, 10):
-        batches = jax.tree.map(lambda x: jnp.stack([x] * k), batch) if k > 1 else batch
+        batches = jax.tree.map(lambda x, k=k: jnp.stack([x] * k), batch) if k > 1 else batch
         steps = {}
         for pack in (False, True, "auto"):
             step = autoflat.step(update, num_steps=k, pack=pack)
