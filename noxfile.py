@@ -43,6 +43,22 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+@nox.parametrize("pack", ["on", "auto"])
+def tests_pack(session: nox.Session, pack: str) -> None:
+    """The test suite with packed transport (`pack=True` or `"auto"`) as the default."""
+    session.install("-e", ".[tests]")
+    session.env["AUTOFLAT_TEST_PACK"] = pack
+    session.run("python", "-m", "pytest", "-m", "not slow", "tests", *session.posargs)
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ (mkdocs-material + mkdocstrings, strict)."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session(python="3.11")
 def slow(session: nox.Session) -> None:
     """The long tests only."""
     session.install("-e", ".[tests]")
