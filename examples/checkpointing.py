@@ -141,7 +141,7 @@ def main() -> None:
             tree = {
                 "params": autoflat.unwrap(params),  # the real dict and optax state
                 "opt_state": autoflat.unwrap(opt_state),
-                "chunk": np.int32(halfway),
+                "chunk": halfway,
             }
             save(path, tree)
             tqdm.write(f"saved after call {halfway} to {path} (state held in handles: {handles})")
@@ -149,7 +149,7 @@ def main() -> None:
 
             # 3. resume: fresh objects, restored from the checkpoint
             params, opt_state = fresh_state()
-            like = {"params": params, "opt_state": opt_state, "chunk": np.int32(0)}
+            like = {"params": params, "opt_state": opt_state, "chunk": 0}
             restored = restore(path, like)
         params, opt_state = restored["params"], restored["opt_state"]
         start = int(restored["chunk"])

@@ -83,7 +83,7 @@ def main() -> None:
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0)
-    print(f"autoflat {autoflat.__version__}, jax {jax.__version__}, devices: {jax.devices()}")
+    print(f"autoflat {autoflat.__version__}, jax {jax.__version__} on {jax.default_backend()}")
     print(f"digits: {len(x_train)} train / {len(x_test)} test images of 8x8 pixels")
 
     model = MLP(64, 128, 10, rngs=nnx.Rngs(0))
