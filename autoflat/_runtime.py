@@ -243,8 +243,19 @@ _all_steps: weakref.WeakSet[Step] = weakref.WeakSet()
 
 def _copy_leaves(arrays: list[Any]) -> list[Any]:
     """Fresh buffers with the same values and placement (so donation never touches the
-    caller's own arrays)."""
-    return [jnp.array(a, copy=True) for a in arrays]
+    caller's own arrays). Weak types are dropped: a step's outputs are strongly typed, so a
+    weakly typed start (`jnp.full((3,), 1.0)`) would otherwise compile the step twice."""
+    return [jnp.array(a, dtype=a.dtype, copy=True) for a in arrays]
+
+
+# Buffers that autoflat wrote into callers' objects (mutation-style state), by id, weakly:
+# a later call of any step may donate them without a copy while they are still these arrays.
+_written_by_us: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _all_ours(arrays: list[Any]) -> bool:
+    get = _written_by_us.get
+    return all(get(id(a)) is a for a in arrays)
 
 
 class Step:
@@ -296,8 +307,6 @@ class Step:
         self._last: dict[int, tuple[Any, LazyHandle]] = {}
         # Broadcast arguments: per position, (object, structure, arrays) of an immutable one.
         self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
-        # Mutation-style state: per state position, (caller's object, the arrays written in).
-        self._written: dict[int, tuple[Any, list[Any]]] = {}
         self.stats = Stats()
         self._origin = Origin(self._analysis.name, self._analysis.where, self.stats)
         self._programs: dict[Roles, Program] = {}
@@ -424,7 +433,7 @@ class Step:
                 # Packing makes fresh buffers: they may be donated without a copy.
                 arrs = _transport.pack_on_device(layout, arrs)
                 stats.copies += 1
-            elif donate and arrs and not self._wrote_these(k, a, arrs):
+            elif donate and arrs and not _all_ours(arrs):
                 arrs = _copy_leaves(arrs)
                 stats.copies += 1
             structures.append(s)
@@ -517,9 +526,11 @@ class Step:
             else:
                 self._write_back(args[i], handles[k], names[k])
             if type(args[i]) is not LazyHandle:
-                # The caller's object now holds buffers this call produced: the next call may
-                # donate them without a copy if they are still the ones we wrote.
-                self._written[k] = (args[i], LazyHandle._af_leaf_arrays(handles[k]))
+                # The caller's object now holds buffers this call produced: a later call (of
+                # this step or another) may donate them without a copy while they are still
+                # the ones we wrote.
+                for arr in LazyHandle._af_leaf_arrays(handles[k]):
+                    _written_by_us[id(arr)] = arr
         if not self.lazy:
             last.clear()
             for k, h in enumerate(handles):
@@ -535,13 +546,6 @@ class Step:
         if shape == "single":
             return items[0]
         return tuple(items)
-
-    def _wrote_these(self, k: int, target: Any, arrays: list[Any]) -> bool:
-        """Whether `target` still holds exactly the buffers the last call wrote into it."""
-        written = self._written.get(k)
-        if written is None or written[0] is not target or len(written[1]) != len(arrays):
-            return False
-        return all(x is y for x, y in zip(arrays, written[1], strict=True))
 
     def _unhashable(self, program: Program, static: tuple[Any, ...]) -> None:
         for p, v in zip(program.roles.of("static"), static, strict=True):
@@ -678,7 +682,6 @@ class Step:
         self._specs.clear()
         self._bcast_last.clear()
         self._last.clear()
-        self._written.clear()
         self._jit = jax.jit(
             self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ()
         )

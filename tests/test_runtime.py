@@ -199,3 +199,22 @@ def _spec_args(step, xs):
     program = step._base
     spec = step._new_spec(("test",), program, [structure], [None], [], ())
     return spec, ([arrays[0]],), (xs,), ()
+
+
+def test_weakly_typed_start_compiles_once():
+    import optax
+
+    tx = optax.adam(1e-2)
+
+    def update(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((p["w"] * x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state
+
+    params = {"w": jnp.full((3,), 1.0)}  # weakly typed
+    step = autoflat.step(update, num_steps=2)
+    p, o = step(params, tx.init(params), jnp.ones((2, 3)))
+    for _ in range(2):
+        p, o = step(p, o, jnp.ones((2, 3)))
+    assert step.stats.traces == 1
