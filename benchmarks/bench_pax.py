@@ -29,6 +29,8 @@ c. the tutorial's `multistep_update`: `pax.scan` of `update`, num_steps=10, in `
 d. the tutorial's `pax.experimental.Flattener` recipe (`flat_update_wrapper`), optimizer
    `flatten=True`;
 e. `autoflat.step(update, num_steps=1)`, naive `opax.adam`, handles passed back in;
+e'. the same with `donate=False` (on jax 0.4.35's CPU backend a call that donates a buffer
+   still being computed waits for it, so e dispatches synchronously; a-d do not donate);
 f. `autoflat.step(update, num_steps=10)`, naive `opax.adam`, inputs with a leading axis of 10.
 
 (The tutorial's hand-written `flatten_update` is not a row: as printed it calls
@@ -36,14 +38,18 @@ f. `autoflat.step(update, num_steps=10)`, naive `opax.adam`, inputs with a leadi
 its state; the `Flattener` row is the tutorial's packaged form of the same idea.)
 
 Before timing, every method runs the same 10 steps on 10 distinct batches from the same
-initial state (which also compiles it); the losses and final parameters are compared:
-e with a, f with c (a loop and a scan are different XLA programs; Adam turns rounding
-differences in gradients near zero into steps of up to about `lr`, so a scan and a loop agree
-to that, not to 1e-5). Then the methods are timed in blocks of about `--block-seconds`,
-round-robin, `--repeats` rounds, with `jax.block_until_ready` once per block. Reported:
-the median seconds per step (spread min-max), the median host time per step before the final
-`block_until_ready` (dispatch: with asynchronous dispatch, the host work of a call), and the
-ratio to a.
+initial state (which also compiles it); the losses and final model (and optimizer) arrays
+must agree to 1e-5 (relative to each array's largest value): e, e' with a, b with a (model), d
+with b, f with c (model), f's first loss with a's. A loop and a scan are different XLA
+programs, and Adam turns rounding differences in gradients near zero into steps of up to
+about `lr`, so c against a is only reported.
+
+Then the methods are timed in blocks of about `--block-seconds`, round-robin, `--repeats`
+rounds, with `jax.block_until_ready` once per block. Reported: the median seconds per step
+(spread min-max), the median host time per step before the final `block_until_ready`
+(dispatch: with asynchronous dispatch, the host work of a call), and the ratio to a.
+On XLA:CPU the convolutions of a step inside a `lax.scan` run slower than the same step
+called in a loop, so c and f can be slower per step than a on a CPU; they are slowed alike.
 """
 
 from __future__ import annotations
@@ -253,9 +259,9 @@ class FlattenerRecipe(Method):
 
 
 class Autoflat(Method):
-    def __init__(self, key, name, batch, net, optimizer, num_steps):
+    def __init__(self, key, name, batch, net, optimizer, num_steps, donate=True):
         super().__init__(key, name, num_steps, batch)
-        self.fn = autoflat.step(update, num_steps=num_steps)
+        self.fn = autoflat.step(update, num_steps=num_steps, donate=donate)
         self.state = (net, optimizer)  # autoflat copies the caller's arrays before donating
 
     def call(self, batch):
@@ -275,15 +281,17 @@ def _stack(batches: list[Any]) -> Any:
 
 
 def _diff(a: Any, b: Any, optimizer: bool = True) -> float:
-    """Max absolute difference over the model arrays, and the optimizer's (where both use the
-    same optimizer: `flatten=True` holds its state differently)."""
+    """Max over arrays of max |a - b| / max |b|: the model arrays (parameters and batch-norm
+    averages), and the optimizer's where both use the same optimizer (`flatten=True` holds
+    its state differently)."""
     worst = 0.0
     pairs = zip(a, b, strict=True) if optimizer else [(a[0], b[0])]
     for xs, ys in pairs:
         assert len(xs) == len(ys), (len(xs), len(ys))
         for x, y in zip(xs, ys, strict=True):
             if x.size:
-                worst = max(worst, float(np.max(np.abs(x.astype(np.float64) - y))))
+                d = np.max(np.abs(x.astype(np.float64) - y))
+                worst = max(worst, float(d / (np.max(np.abs(y)) + 1e-12)))
     return worst
 
 
@@ -386,6 +394,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "flattener", "d. Flattener recipe, opt. flatten=True", batch, net, adam_flat
             ),
             Autoflat("autoflat_1", "e. autoflat num_steps=1", batch, net, adam, 1),
+            Autoflat(
+                "autoflat_1_nodonate",
+                "e'. autoflat num_steps=1, donate=False",
+                batch,
+                net,
+                adam,
+                1,
+                donate=False,
+            ),
             Autoflat("autoflat_10", "f. autoflat num_steps=10", batch10, net, adam, NUM_STEPS),
         ]
 
@@ -405,16 +422,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             finals[m.key] = m.final()
             print(f"  first 10 steps (compile included): {m.key} {first_s[m.key]:.1f} s")
             sys.stdout.flush()
-        bound = 2 * LR * NUM_STEPS
         agreement = {
             "autoflat_1 vs jit": _diff(finals["autoflat_1"], finals["jit"]),
+            "autoflat_1_nodonate vs jit": _diff(finals["autoflat_1_nodonate"], finals["jit"]),
             "jit_flat_opt vs jit (model)": _diff(finals["jit_flat_opt"], finals["jit"], False),
             "flattener vs jit_flat_opt": _diff(finals["flattener"], finals["jit_flat_opt"]),
             "autoflat_10 vs pax_scan (model)": _diff(
                 finals["autoflat_10"], finals["pax_scan"], False
-            ),
-            "pax_scan vs jit (model; scan vs loop)": _diff(
-                finals["pax_scan"], finals["jit"], False
             ),
         }
         loss_diff = {
@@ -425,19 +439,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 abs(losses["autoflat_10"].mean() - losses["pax_scan"][0])
                 / abs(losses["pax_scan"][0])
             ),
+            "autoflat_10 vs jit, first step": float(
+                abs(losses["autoflat_10"][0] - losses["jit"][0]) / abs(losses["jit"][0])
+            ),
+        }
+        # A scan and a loop are different XLA programs: reported, not asserted.
+        scan_vs_loop = {
+            "model": _diff(finals["pax_scan"], finals["jit"], False),
+            "losses": float(
+                np.max(np.abs(losses["autoflat_10"] - losses["jit"]) / np.abs(losses["jit"]))
+            ),
         }
         print(
-            "agreement after 10 steps, max abs difference of all arrays: "
+            "agreement after 10 steps, max relative difference (per array, of its max): "
             + ", ".join(f"{k} {v:.1e}" for k, v in agreement.items())
-            + "; relative loss difference: "
+            + "; losses: "
             + ", ".join(f"{k} {v:.1e}" for k, v in loss_diff.items())
+            + f"; scan vs loop (not asserted): model {scan_vs_loop['model']:.1e}, losses "
+            f"{scan_vs_loop['losses']:.1e}"
         )
-        for k, v in agreement.items():
-            if v > bound:
-                raise AssertionError(f"{k}: arrays differ by {v:.2e} > 2 * lr * steps = {bound}")
-        for k, v in loss_diff.items():
+        for k, v in [*agreement.items(), *loss_diff.items()]:
             if v > 1e-5:
-                raise AssertionError(f"{k}: losses differ by {v:.2e} (relative) > 1e-5")
+                raise AssertionError(f"{k}: relative difference {v:.2e} > 1e-5")
         sys.stdout.flush()
 
         # --- calibration ----------------------------------------------------------------------
@@ -458,7 +481,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for m in afs:
             s, b = autoflat.stats(m.fn), before[m.key]
             calls = s.calls - b.calls
-            if s.flattens != b.flattens or s.fast_path - b.fast_path != 2 * calls:
+            if (
+                s.flattens != b.flattens
+                or s.traces != b.traces
+                or s.fast_path - b.fast_path != 2 * calls
+            ):
                 raise AssertionError(f"{m.name} left the fast path during timing: {b} -> {s}")
 
         ms = 1e3
@@ -495,6 +522,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "rows": rows2,
             "agreement_max_abs": agreement,
             "loss_rel_diff": loss_diff,
+            "scan_vs_loop": scan_vs_loop,
             "autoflat_stats": {m.key: str(autoflat.stats(m.fn)) for m in afs},
         }
 

@@ -40,7 +40,8 @@ Sections
    training loops" recipe (docs/tricks.md: `tree_flatten` model and optimizer state once,
    `eqx.filter_jit` a step that takes the two leaf lists, unflattens inside and returns
    `tree_leaves` of both; as written there, no donation), the hand-written flat-leaves recipe
-   (array leaves only, `jax.jit`, donated), autoflat `num_steps` 1, 10 and 100, and the
+   (array leaves only, `jax.jit`, donated), autoflat `num_steps` 1 (also with
+   `donate=False`, and with `pack=True` where this autoflat has it), 10 and 100, and the
    single-buffer floor (all array leaves packed into ONE f32 buffer, donated, sliced and
    reshaped inside, packed again on the way out: the best case for a call's host cost).
    Flax NNX (`nnx_models.NarrowResNet50`, same structure, NHWC) with the mutation-style
@@ -56,28 +57,42 @@ Sections
 
 3. **Overhead against the number of leaves** (10 ... 3000): a state of that many small f32
    arrays (8 elements each) with the update `x * 0.99 + g` (`g` a per-step scalar input):
-   `jax.jit` without and with donation against autoflat `num_steps` 1 and 10.
+   `jax.jit` without and with donation against autoflat `num_steps` 1 and 10 (and 1 with
+   `pack=True` where available).
 
 4. **Compile time and memory.** Compile: first-call wall time (trace + compile + one step)
    of the Equinox step of section 2 under `jax.jit`, `jax.jit` + donation, `eqx.filter_jit`,
-   the hand-written flat-leaves recipe, autoflat 1 and 10 (plus decoration time: autoflat
-   parses and generates code there), and a hand-written `jax.jit` of a 10-step `lax.scan`,
-   each from fresh function objects after `jax.clear_caches()` and `autoflat.clear_caches()`,
-   with JAX's persistent compilation cache disabled. Memory: device memory held by the state
-   with and without donation. On CPU `memory_stats()` is unavailable, so it counts the bytes
-   of `jax.live_arrays()` (arrays not deleted): right after a call while the caller still
-   holds the previous state (what a step needs at its peak, in state sizes: about 2 without
+   the hand-written flat-leaves recipe, autoflat 1 and 10, and a hand-written `jax.jit` of a
+   10-step `lax.scan` (`--quick`: `jax.jit`, autoflat 1 and 10, once), each from fresh
+   function objects after `jax.clear_caches()` and `autoflat.clear_caches()`, with JAX's
+   persistent compilation cache disabled; building the callable is timed apart ("make": for
+   autoflat, the decoration, which parses the source and generates code). Memory, with and
+   without donation: measured on section 2's Equinox methods after their timing (already
+   compiled; if section 2 is not run, on five of them compiled here). `memory_stats()` is
+   unavailable on CPU, so it counts the bytes of `jax.live_arrays()` (donated buffers are
+   deleted, so not live): right after a call while the caller still holds the previous state
+   (what a step holds at its peak besides temporaries, in state sizes: about 2 without
    donation, 1 with), and after the previous state is dropped.
 
 Method: before any timing, every method of sections 2 and 3 runs the same steps on the same
-distinct inputs from the same initial state; the first three per-step losses must agree with
-the first method's (`jax.jit` / `nnx.jit`) to a relative 1e-4 (the maximum difference over
-all checked steps is reported; a loop and a scan are different XLA programs, and this narrow
-model amplifies rounding differences after a few steps). A method that disagrees or fails is
-reported and left out of the timing. Each method is then warmed up and its calls per block
-chosen so a block takes about `--block-seconds`; blocks run round-robin over the methods (the
-order rotating every repeat) with a `gc.collect()` before each, calls back to back, and one
-`jax.block_until_ready` at the end of the block.
+distinct inputs from the same initial state (10 steps; a method of k > 10 steps per call gets
+them padded with the timing batch). One-step methods must agree with the first one
+(`jax.jit` / `nnx.jit`) on the first three losses to a relative 1e-4; scanned methods with the
+hand-written `lax.scan` ("device compute") likewise; that scan with the loop on the first
+loss only (a loop and a scan are different XLA programs, and these narrow models amplify
+rounding differences within a few steps). The maximum difference over all checked steps is
+reported too. A method that disagrees or fails is reported and left out of the timing. These
+first calls (which compile) run `--jobs` at a time (default 2: XLA compiles without holding
+the GIL); nothing is timed then except each method's own first call, for information. Each
+method is then warmed up and its calls per block chosen so a block takes about
+`--block-seconds`; blocks run round-robin over the methods (the order rotating every repeat)
+with a `gc.collect()` before each, calls back to back, and one `jax.block_until_ready` at the
+end of the block.
+
+Other options: `--repeats`, `--block-seconds`, `--iterations` (section 1), `--width`,
+`--batch-size`, `--image-size`, `--nnx-batchnorm` (the NNX model with `nnx.BatchNorm`),
+`--jobs 1` (compile serially), `--render-only` (rewrite report.md and report.png from the
+report.json in `--out`).
 """
 
 from __future__ import annotations
@@ -86,6 +101,7 @@ import argparse
 import contextlib
 import gc
 import importlib.metadata as md
+import inspect
 import json
 import math
 import os
@@ -97,6 +113,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +211,23 @@ def _repeat(batch: Any, k: int) -> Any:
     return jax.tree_util.tree_map(lambda x: jnp.stack([x] * k), batch)
 
 
+def _device_buffers(tree: Any) -> list[Any]:
+    """The device buffers a state is made of, without creating any: for an autoflat lazy
+    handle, the buffers it holds (`_af_arrays`: with pack=True, the packed buffers; flattening
+    such a handle would unpack them with a device call); for anything else, its array leaves."""
+    items = tree if type(tree) in (tuple, list) else [tree]
+    out: list[Any] = []
+    for x in items:
+        if autoflat.is_handle(x):
+            try:
+                out += list(object.__getattribute__(x, "_af_arrays"))
+                continue
+            except AttributeError:
+                pass
+        out += [leaf for leaf in jax.tree_util.tree_leaves(x) if isinstance(leaf, jax.Array)]
+    return out
+
+
 def _summary(values_s: Sequence[float], scale: float = US) -> dict[str, Any]:
     vals = [v * scale for v in values_s]
     return {
@@ -212,6 +246,11 @@ def _fmt(x: float | None) -> str:
     if abs(x) >= 10:
         return f"{x:.1f}"
     return f"{x:.2f}"
+
+
+def _fmt_s(x: float) -> str:
+    """Seconds, three significant digits."""
+    return f"{x:.3g}" if x < 100 else f"{x:.0f}"
 
 
 def _spread(s: dict[str, Any]) -> str:
@@ -330,6 +369,92 @@ def calibrate(m: Method, block_s: float) -> None:
     m.n_calls = max(2, round(block_s / per_call))
 
 
+def _fail(m: Method, e: BaseException, when: str) -> None:
+    m.error = f"{type(e).__name__}{when}: {e}"
+    m.extra["traceback"] = "".join(traceback.format_exception(e))
+    _log(f"  {m.label}: FAILED{when} ({m.error.splitlines()[0][:300]}); left out of timing")
+
+
+def _first_calls(methods: list[Method], batches: list[Any], pad: Any, jobs: int) -> None:
+    """Set up every method (serially, in this thread), then run its checked first steps, which
+    trace and compile it: `jobs` at a time (XLA compiles without holding the GIL). Nothing is
+    timed while this runs except each method's own first-call time, for information."""
+    for m in methods:
+        try:
+            m.setup()
+        except Exception as e:
+            _fail(m, e, " in setup")
+
+    def first(m: Method) -> None:
+        t0 = perf()
+        try:
+            m.check_losses = m.check(batches, pad)
+            m.first_call_s = perf() - t0
+        except Exception as e:
+            m.extra["first_error"] = e
+
+    todo = [m for m in methods if m.error is None]
+    if jobs > 1 and len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(first, todo))
+    else:
+        for m in todo:
+            first(m)
+    for m in todo:
+        e = m.extra.pop("first_error", None)
+        if e is not None:
+            _fail(m, e, " in its first calls")
+
+
+def _agree(methods: list[Method], n_checked: int) -> dict[str, Any]:
+    """Compare the checked losses. One-step methods against the first one-step method (the
+    loop reference); scanned methods against the hand-written scan (key `compute`, or else
+    the first scanned method), and that scan against the loop on its first loss only: a
+    loop and a scan are different XLA programs, and rounding differences grow within a few
+    steps on these narrow models."""
+    ok = [m for m in methods if m.error is None and m.check_losses is not None]
+    loops = [m for m in ok if m.steps_per_call == 1]
+    scans = [m for m in ok if m.steps_per_call > 1]
+    loop_ref = loops[0] if loops else None
+    scan_ref = next((m for m in scans if m.key == "compute"), scans[0] if scans else None)
+    agreement: dict[str, Any] = {}
+    for m in ok:
+        losses = m.check_losses
+        assert losses is not None
+        try:
+            if not np.all(np.isfinite(losses)):
+                raise AssertionError(f"non-finite losses {losses}")
+            if m.steps_per_call == 1 or m is scan_ref:
+                ref, strict = loop_ref, (STRICT_STEPS if m.steps_per_call == 1 else 1)
+            else:
+                ref, strict = scan_ref, STRICT_STEPS
+            if ref is None or ref.check_losses is None:
+                continue
+            rel = np.abs(losses - ref.check_losses) / np.abs(ref.check_losses)
+            agreement[m.key] = {
+                "reference": ref.key,
+                "losses": losses.tolist(),
+                "compared_steps": strict,
+                "max_rel_diff_compared": float(np.max(rel[:strict])),
+                "max_rel_diff_all_steps": float(np.max(rel)),
+            }
+            if float(np.max(rel[:strict])) > RTOL:
+                raise AssertionError(
+                    f"losses disagree with {ref.key}: {losses[:strict]} vs "
+                    f"{ref.check_losses[:strict]} (max relative difference "
+                    f"{np.max(rel[:strict]):.2e} > {RTOL} over the first {strict} step(s))"
+                )
+            _log(
+                f"  {m.label}: first call + {n_checked} checked steps in "
+                f"{m.first_call_s or 0:.1f} s; vs {ref.key}: max rel. diff "
+                f"{agreement[m.key]['max_rel_diff_compared']:.1e} (first {strict}), "
+                f"{agreement[m.key]['max_rel_diff_all_steps']:.1e} (all {n_checked})"
+            )
+        except Exception as e:
+            _fail(m, e, "")
+    return agreement
+
+
 def check_and_time(
     title: str,
     methods: list[Method],
@@ -337,52 +462,19 @@ def check_and_time(
     pad: Any,
     repeats: int,
     block_s: float,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Set up, check agreement, calibrate and time a group of methods. Returns the figures."""
-    ref: np.ndarray | None = None
-    ref_key = ""
-    agreement: dict[str, Any] = {}
-    for m in methods:
-        t0 = perf()
-        try:
-            m.setup()
-            m.check_losses = m.check(batches, pad)
-            m.first_call_s = perf() - t0
-            if not np.all(np.isfinite(m.check_losses)):
-                raise AssertionError(f"non-finite losses {m.check_losses}")
-            if ref is None:
-                ref, ref_key = m.check_losses, m.key
-            rel = np.abs(m.check_losses - ref) / np.abs(ref)
-            agreement[m.key] = {
-                "reference": ref_key,
-                "losses": m.check_losses.tolist(),
-                "max_rel_diff_first_steps": float(np.max(rel[:STRICT_STEPS])),
-                "max_rel_diff_all_steps": float(np.max(rel)),
-            }
-            if float(np.max(rel[:STRICT_STEPS])) > RTOL:
-                raise AssertionError(
-                    f"losses disagree with {ref_key}: {m.check_losses[:STRICT_STEPS]} vs "
-                    f"{ref[:STRICT_STEPS]} (max relative difference "
-                    f"{np.max(rel[:STRICT_STEPS]):.2e} > {RTOL})"
-                )
-            _log(
-                f"  {m.label}: compiled and checked in {m.first_call_s:.1f} s; first losses "
-                f"{np.array2string(m.check_losses[:3], precision=5)}, max rel. diff "
-                f"{agreement[m.key]['max_rel_diff_first_steps']:.1e} (first {STRICT_STEPS}) / "
-                f"{agreement[m.key]['max_rel_diff_all_steps']:.1e} (all {len(batches)})"
-            )
-        except Exception as e:
-            m.error = f"{type(e).__name__}: {e}"
-            m.extra["traceback"] = traceback.format_exc()
-            _log(f"  {m.label}: FAILED ({m.error.splitlines()[0][:300]}); left out of timing")
+    t0 = perf()
+    _first_calls(methods, batches, pad, jobs)
+    _log(f"  {title}: first calls (compiles) done in {perf() - t0:.0f} s, {jobs} at a time")
+    agreement = _agree(methods, len(batches))
     timed = [m for m in methods if m.error is None]
     for m in timed:
         try:
             calibrate(m, block_s)
         except Exception as e:
-            m.error = f"{type(e).__name__}: {e}"
-            m.extra["traceback"] = traceback.format_exc()
-            _log(f"  {m.label}: FAILED while calibrating ({m.error[:300]})")
+            _fail(m, e, " while calibrating")
     timed = [m for m in timed if m.error is None]
     if timed:
         _log(f"  {title}: {repeats} repeats of ~{block_s:g} s blocks over {len(timed)} methods")
@@ -396,9 +488,7 @@ def check_and_time(
             try:
                 dispatch, total = m.run(m.n_calls)
             except Exception as e:
-                m.error = f"{type(e).__name__} during timing: {e}"
-                m.extra["traceback"] = traceback.format_exc()
-                _log(f"  {m.label}: FAILED during timing ({m.error[:300]})")
+                _fail(m, e, " during timing")
                 continue
             steps = m.n_calls * m.steps_per_call
             m.totals.append(total / steps)
@@ -456,7 +546,7 @@ class EqxState2(Method):
         for _ in range(n):
             a, b, loss = f(a, b, batch)
         t1 = perf()
-        jax.block_until_ready((a, b, loss))
+        jax.block_until_ready((_device_buffers((a, b)), loss))
         t2 = perf()
         self.state = (a, b)
         return t1 - t0, t2 - t0
@@ -620,19 +710,32 @@ class EqxSingleBuffer(EqxState1):
         self.batch = self.s.batch
 
 
+def _has_pack() -> bool:
+    """Whether this autoflat has the `pack=` option (state packed into per-dtype buffers)."""
+    try:
+        return "pack" in inspect.signature(autoflat.step).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class EqxAutoflat(EqxState2):
-    def __init__(self, s: EqxSetup, k: int):
+    def __init__(self, s: EqxSetup, k: int, donate: bool = True, pack: bool = False):
+        extra = ("" if donate else ", donate=False") + (", pack=True" if pack else "")
         super().__init__(
-            f"autoflat_{k}",
-            f"autoflat num_steps={k}",
+            f"autoflat_{k}" + ("" if donate else "_nodonate") + ("_pack" if pack else ""),
+            f"autoflat num_steps={k}{extra}",
             steps_per_call=k,
-            note="autoflat.step(num_steps=k)(update); returned handles passed back"
-            + (f"; batch with a leading axis of {k}" if k > 1 else ""),
+            note=f"autoflat.step(num_steps={k}{extra})(update); returned handles passed back"
+            + (f"; batch with a leading axis of {k}" if k > 1 else "")
+            + ("; state leaves packed into one buffer per dtype" if pack else ""),
         )
-        self.s, self.k = s, k
+        self.s, self.k, self.donate, self.pack = s, k, donate, pack
 
     def setup(self) -> None:
-        self.fn = autoflat.step(num_steps=self.k)(eqx_update)
+        options: dict[str, Any] = {"num_steps": self.k, "donate": self.donate}
+        if self.pack:
+            options["pack"] = True
+        self.fn = autoflat.step(**options)(eqx_update)
         self.state = self.s.fresh()
         self.batch = self.s.batch if self.k == 1 else _repeat(self.s.batch, self.k)
 
@@ -839,8 +942,8 @@ class NnxAutoflatMutation(NnxMutation):
             f"autoflat_mut_{k}",
             f"autoflat num_steps={k} (mutation style)",
             steps_per_call=k,
-            note="autoflat.step(train_step, num_steps=k) on the caller's model and optimizer "
-            "(updated in place after each call)",
+            note=f"autoflat.step(train_step, num_steps={k}) called with the caller's model and "
+            "optimizer every time (written back in place after each call, as nnx.jit does)",
         )
         self.s, self.k = s, k
 
@@ -856,8 +959,8 @@ class NnxAutoflatFunctional(Method):
             f"autoflat_fn_{k}",
             f"autoflat num_steps={k} (functional, handles)",
             steps_per_call=k,
-            note="autoflat.step(functional_train_step, num_steps=k): returns model, optimizer, "
-            "loss; the returned handles are passed back",
+            note=f"autoflat.step(functional_train_step, num_steps={k}): returns model, "
+            "optimizer, loss; the returned handles are passed back",
         )
         self.s, self.k = s, k
 
@@ -879,7 +982,7 @@ class NnxAutoflatFunctional(Method):
         for _ in range(n):
             m, o, loss = f(m, o, x, y)
         t1 = perf()
-        jax.block_until_ready((m, o, loss))
+        jax.block_until_ready((_device_buffers((m, o)), loss))
         t2 = perf()
         self.state = (m, o)
         after = autoflat.stats(f)
@@ -943,6 +1046,7 @@ class Sweep(Method):
             "jit_donate": "jax.jit + donate",
             "autoflat_1": "autoflat num_steps=1",
             "autoflat_10": "autoflat num_steps=10",
+            "autoflat_1_pack": "autoflat num_steps=1, pack=True",
         }
         k = 10 if kind == "autoflat_10" else 1
         super().__init__(kind, labels[kind], steps_per_call=k)
@@ -955,6 +1059,8 @@ class Sweep(Method):
             self.fn = jax.jit(sweep_update)
         elif self.kind == "jit_donate":
             self.fn = jax.jit(sweep_update, donate_argnums=0)
+        elif self.kind == "autoflat_1_pack":
+            self.fn = autoflat.step(sweep_update, pack=True)
         else:
             self.fn = autoflat.step(sweep_update, num_steps=self.steps_per_call)
         g = jnp.asarray(0.01, jnp.float32)
@@ -982,7 +1088,7 @@ class Sweep(Method):
         for _ in range(n):
             s = f(s, g)
         t1 = perf()
-        jax.block_until_ready(s)
+        jax.block_until_ready(_device_buffers(s))
         t2 = perf()
         self.state = s
         return t1 - t0, t2 - t0
@@ -993,7 +1099,9 @@ class Sweep(Method):
 # ==========================================================================================
 
 
-def section_seed(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+def section_seed(
+    args: argparse.Namespace, cfg: dict[str, Any], done: dict[str, Any]
+) -> dict[str, Any]:
     """Section 1: the PAX tutorial's flatten/unflatten measurement, today."""
     n_iter = cfg["iterations"]
     repeats = cfg["seed_repeats"]
@@ -1185,7 +1293,9 @@ def section_seed(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any
     }
 
 
-def section_steps(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+def section_steps(
+    args: argparse.Namespace, cfg: dict[str, Any], done: dict[str, Any]
+) -> dict[str, Any]:
     """Section 2: per-step host overhead of a whole training step (Equinox, then Flax NNX)."""
     out: dict[str, Any] = {}
     s = EqxSetup(args.width, args.batch_size, args.image_size)
@@ -1197,18 +1307,28 @@ def section_steps(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, An
         EqxHandFlat(s),
         EqxSingleBuffer(s),
         EqxAutoflat(s, 1),
+        EqxAutoflat(s, 1, donate=False),
+        *([EqxAutoflat(s, 1, pack=True)] if _has_pack() else []),
         EqxAutoflat(s, 10),
         EqxAutoflat(s, 100),
         EqxCompute(s, 100),
     ]
     _log("  Equinox:")
     eq = check_and_time(
-        "Equinox", eqx_methods, s.check_batches, s.batch, cfg["repeats"], cfg["block_s"]
+        "Equinox",
+        eqx_methods,
+        s.check_batches,
+        s.batch,
+        cfg["repeats"],
+        cfg["block_s"],
+        cfg["jobs"],
     )
+    memory = measure_memory(eqx_methods)
     out["equinox"] = {
         "model_leaves": eqx_models.count_leaves(s.model),
         "state_leaves": eqx_models.count_leaves((s.model, s.opt_state)),
         "rows": method_rows(eqx_methods),
+        "memory": memory,
         **eq,
     }
     del eqx_methods, s
@@ -1232,7 +1352,13 @@ def section_steps(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, An
     ]
     _log("  Flax NNX:")
     nn = check_and_time(
-        "Flax NNX", nnx_methods, ns.check_batches, ns.batch, cfg["repeats"], cfg["block_s"]
+        "Flax NNX",
+        nnx_methods,
+        ns.check_batches,
+        ns.batch,
+        cfg["repeats"],
+        cfg["block_s"],
+        cfg["jobs"],
     )
     m0, o0 = ns.fresh()
     out["nnx"] = {
@@ -1248,7 +1374,9 @@ def section_steps(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, An
     return out
 
 
-def section_leaves(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
+def section_leaves(
+    args: argparse.Namespace, cfg: dict[str, Any], done: dict[str, Any]
+) -> dict[str, Any]:
     """Section 3: overhead against the number of leaves."""
     out: dict[str, Any] = {"leaves": list(cfg["sweep_leaves"]), "by_leaves": {}}
     for n in cfg["sweep_leaves"]:
@@ -1258,9 +1386,16 @@ def section_leaves(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, A
             Sweep(n, "jit_donate"),
             Sweep(n, "autoflat_1"),
             Sweep(n, "autoflat_10"),
+            *([Sweep(n, "autoflat_1_pack")] if _has_pack() else []),
         ]
         res = check_and_time(
-            f"{n} leaves", methods, [None] * CHECK_STEPS, None, cfg["repeats"], cfg["sweep_block_s"]
+            f"{n} leaves",
+            methods,
+            [None] * CHECK_STEPS,
+            None,
+            cfg["repeats"],
+            cfg["sweep_block_s"],
+            cfg["jobs"],
         )
         out["by_leaves"][str(n)] = {"rows": method_rows(methods), **res}
         del methods
@@ -1273,13 +1408,81 @@ def _live_bytes() -> tuple[int, int]:
     return sum(int(a.nbytes) for a in arrs), len(arrs)
 
 
-def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Section 4: first-call (compile) time and memory with and without donation."""
+def measure_memory(methods: list[Method]) -> dict[str, Any]:
+    """Device memory held by each method's state across one call, with the method already
+    compiled and warm. Counts `jax.live_arrays()` bytes (deleted, i.e. donated, buffers are
+    not live); also `memory_stats()` where the backend has it (not on CPU)."""
+    dev = jax.devices()[0]
+    stats_available = bool(dev.memory_stats())
+    rows = []
+    for m in methods:
+        if m.error is not None or m.key == "compute" or not hasattr(m, "state"):
+            continue
+        row: dict[str, Any] = {"key": m.key, "method": m.label}
+        try:
+            prev = m.state
+            prev_bytes = sum(int(x.nbytes) for x in _device_buffers(prev))
+            gc.collect()
+            b0, n0 = _live_bytes()
+            in_use0 = dev.memory_stats().get("bytes_in_use") if stats_available else None
+            m.run(1)  # the caller still holds `prev`; donated buffers are deleted
+            b1, n1 = _live_bytes()
+            in_use1 = dev.memory_stats().get("bytes_in_use") if stats_available else None
+            del prev
+            gc.collect()
+            b2, n2 = _live_bytes()
+            row.update(
+                {
+                    "state_bytes": prev_bytes,
+                    "held_across_call_bytes": b1 - b0 + prev_bytes,
+                    "held_across_call_buffers_added": n1 - n0,
+                    "steady_bytes": b2 - b0 + prev_bytes,
+                    "held_in_states": (b1 - b0 + prev_bytes) / prev_bytes,
+                    "steady_in_states": (b2 - b0 + prev_bytes) / prev_bytes,
+                    "memory_stats_bytes_in_use_delta": None
+                    if in_use0 is None or in_use1 is None
+                    else in_use1 - in_use0,
+                }
+            )
+            _log(
+                f"  memory {m.label}: held across a call {row['held_in_states']:.2f} states, "
+                f"steady {row['steady_in_states']:.2f}"
+            )
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            _log(f"  memory {m.label}: FAILED ({row['error'][:300]})")
+        rows.append(row)
+    return {
+        "method": "device memory_stats()"
+        if stats_available
+        else "jax.live_arrays() total bytes (memory_stats() is unavailable on this backend)",
+        "memory_stats_available": stats_available,
+        "rows": rows,
+    }
+
+
+def section_compile_memory(
+    args: argparse.Namespace, cfg: dict[str, Any], done: dict[str, Any]
+) -> dict[str, Any]:
+    """Section 4: first-call (compile) time, and memory with and without donation."""
     s = EqxSetup(args.width, args.batch_size, args.image_size)
     batch10 = _repeat(s.batch, 10)
 
-    def plain(donate: bool) -> Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]:
-        def make() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def flat_body(layout: FlatLayout) -> Callable[..., Any]:
+        def body(arrays, batch):
+            model, opt_state = layout.rebuild(arrays)
+            model, opt_state, loss = eqx_update(model, opt_state, batch)
+            return layout.arrays_of((model, opt_state)), loss
+
+        return body
+
+    # Each variant prepares its arguments (untimed) and returns a factory that builds the
+    # callable (timed as "make": for autoflat that is the decoration, parsing and codegen).
+    Prepared = tuple[Callable[[], Callable[..., Any]], tuple[Any, ...]]
+    Make = Callable[[], Prepared]
+
+    def plain(donate: bool) -> Make:
+        def make() -> Prepared:
             model, opt_state = s.fresh()
             params, static = eqx.partition(model, eqx.is_array)
 
@@ -1288,45 +1491,37 @@ def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dic
                 model, opt_state, loss = eqx_update(model, opt_state, batch)
                 return eqx.filter(model, eqx.is_array), opt_state, loss
 
-            f = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-            return f, (params, opt_state, s.batch)
-
-        return make
-
-    def filter_jit() -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return eqx.filter_jit(eqx_update), (*s.fresh(), s.batch)
-
-    def hand_flat() -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        layout = FlatLayout(s.fresh())
-
-        def body(arrays, batch):
-            model, opt_state = layout.rebuild(arrays)
-            model, opt_state, loss = eqx_update(model, opt_state, batch)
-            return layout.arrays_of((model, opt_state)), loss
-
-        return jax.jit(body, donate_argnums=0), (layout.arrays, s.batch)
-
-    def hand_scan() -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        layout = FlatLayout(s.fresh())
-
-        def body(arrays, batch):
-            model, opt_state = layout.rebuild(arrays)
-            model, opt_state, loss = eqx_update(model, opt_state, batch)
-            return layout.arrays_of((model, opt_state)), loss
-
-        f = jax.jit(lambda a, bs: jax.lax.scan(body, a, bs), donate_argnums=0)
-        return f, (layout.arrays, batch10)
-
-    def af(k: int) -> Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]:
-        def make() -> tuple[Callable[..., Any], tuple[Any, ...]]:
-            return autoflat.step(eqx_update, num_steps=k), (
-                *s.fresh(),
-                s.batch if k == 1 else batch10,
+            return (
+                lambda: jax.jit(step, donate_argnums=(0, 1) if donate else ()),
+                (params, opt_state, s.batch),
             )
 
         return make
 
-    variants: list[tuple[str, str, Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]]] = [
+    def filter_jit() -> Prepared:
+        return lambda: eqx.filter_jit(eqx_update), (*s.fresh(), s.batch)
+
+    def hand_flat() -> Prepared:
+        layout = FlatLayout(s.fresh())
+        body = flat_body(layout)
+        return lambda: jax.jit(body, donate_argnums=0), (layout.arrays, s.batch)
+
+    def hand_scan() -> Prepared:
+        layout = FlatLayout(s.fresh())
+        body = flat_body(layout)
+        return (
+            lambda: jax.jit(lambda a, bs: jax.lax.scan(body, a, bs), donate_argnums=0),
+            (layout.arrays, batch10),
+        )
+
+    def af(k: int) -> Make:
+        def make() -> Prepared:
+            batch = s.batch if k == 1 else batch10
+            return lambda: autoflat.step(eqx_update, num_steps=k), (*s.fresh(), batch)
+
+        return make
+
+    variants: list[tuple[str, str, Make]] = [
         ("jit", "jax.jit (partition outside)", plain(False)),
         ("jit_donate", "jax.jit + donate", plain(True)),
         ("filter_jit", "eqx.filter_jit", filter_jit),
@@ -1336,7 +1531,7 @@ def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dic
         ("autoflat_10", "autoflat num_steps=10", af(10)),
     ]
     if cfg["quick"]:
-        keep = {"jit", "autoflat_1", "hand_scan_10", "autoflat_10"}
+        keep = {"jit", "autoflat_1", "autoflat_10"}
         variants = [v for v in variants if v[0] in keep]
     compile_res: dict[str, dict[str, list[float]]] = {
         k: {"make": [], "first": [], "second": []} for k, _, _ in variants
@@ -1350,15 +1545,15 @@ def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dic
                 jax.clear_caches()
                 autoflat.clear_caches()
                 gc.collect()
+                factory, call_args = make()
                 t0 = perf()
-                f, call_args = make()
+                f = factory()
                 t1 = perf()
                 out = f(*call_args)
                 jax.block_until_ready(out)
                 t2 = perf()
-                state = out[:-1]
-                call_args2 = (*state, call_args[-1])
-                out = f(*call_args2)
+                call_args = (*out[:-1], call_args[-1])
+                out = f(*call_args)
                 jax.block_until_ready(out)
                 t3 = perf()
                 compile_res[key]["make"].append(t1 - t0)
@@ -1368,7 +1563,7 @@ def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dic
                     f"  compile {label}: make {t1 - t0:.2f} s, first call {t2 - t1:.2f} s, "
                     f"second {1e3 * (t3 - t2):.1f} ms"
                 )
-                del f, out, state, call_args, call_args2
+                del f, factory, out, call_args
             except Exception as e:
                 errors[key] = f"{type(e).__name__}: {e}"
                 _log(f"  compile {label}: FAILED ({errors[key][:300]})")
@@ -1382,122 +1577,29 @@ def section_compile_memory(args: argparse.Namespace, cfg: dict[str, Any]) -> dic
             row["make_s"] = _summary(r["make"], 1.0)
             row["first_call_s"] = _summary(r["first"], 1.0)
             row["second_call_s"] = _summary(r["second"], 1.0)
-            row["make_plus_first_s_median"] = statistics.median(
-                a + b for a, b in zip(r["make"], r["first"], strict=True)
-            )
         compile_rows.append(row)
     jax.clear_caches()
     autoflat.clear_caches()
     gc.collect()
 
-    # --- memory ------------------------------------------------------------------------------
-    dev = jax.devices()[0]
-    stats_available = bool(dev.memory_stats())
-    state_bytes = sum(
-        int(x.nbytes) for x in jax.tree_util.tree_leaves((s.model, s.opt_state)) if eqx.is_array(x)
-    )
-
-    def mem_plain(donate: bool) -> Callable[[], tuple[Callable[[Any], Any], Any]]:
-        def make() -> tuple[Callable[[Any], Any], Any]:
-            f, (params, opt_state, batch) = plain(donate)()
-
-            def call(st: Any) -> Any:
-                p, o, _ = f(st[0], st[1], batch)
-                return (p, o)
-
-            return call, (params, opt_state)
-
-        return make
-
-    def mem_filter() -> tuple[Callable[[Any], Any], Any]:
-        f = eqx.filter_jit(eqx_update)
-
-        def call(st: Any) -> Any:
-            m, o, _ = f(st[0], st[1], s.batch)
-            return (m, o)
-
-        return call, s.fresh()
-
-    def mem_hand() -> tuple[Callable[[Any], Any], Any]:
-        f, (arrays, batch) = hand_flat()
-
-        def call(st: Any) -> Any:
-            return f(st, batch)[0]
-
-        return call, arrays
-
-    def mem_af(donate: bool) -> Callable[[], tuple[Callable[[Any], Any], Any]]:
-        def make() -> tuple[Callable[[Any], Any], Any]:
-            f = autoflat.step(eqx_update, donate=donate)
-
-            def call(st: Any) -> Any:
-                m, o, _ = f(st[0], st[1], s.batch)
-                return (m, o)
-
-            return call, s.fresh()
-
-        return make
-
-    mem_variants = [
-        ("jit", "jax.jit (no donation)", mem_plain(False)),
-        ("jit_donate", "jax.jit + donate", mem_plain(True)),
-        ("filter_jit", "eqx.filter_jit (no donation)", mem_filter),
-        ("hand_flat", "hand-written flat leaves + donate", mem_hand),
-        ("autoflat_donate", "autoflat (donate=True, the default)", mem_af(True)),
-        ("autoflat_no_donate", "autoflat donate=False", mem_af(False)),
-    ]
-    mem_rows = []
-    for key, label, make in mem_variants:
-        row = {"key": key, "method": label}
-        try:
-            gc.collect()
-            b0, n0 = _live_bytes()
-            call, st = make()
-            for _ in range(5):
-                st = call(st)
-            jax.block_until_ready(st)
-            gc.collect()
-            b_steady, n_steady = _live_bytes()
-            prev = st
-            st = call(prev)  # the caller still holds `prev` (donated buffers are deleted)
-            jax.block_until_ready(st)
-            b_held, n_held = _live_bytes()
-            peak = dev.memory_stats().get("peak_bytes_in_use") if stats_available else None
-            del prev
-            gc.collect()
-            row.update(
-                {
-                    "held_across_call_bytes": b_held - b0,
-                    "held_across_call_buffers": n_held - n0,
-                    "steady_bytes": b_steady - b0,
-                    "steady_buffers": n_steady - n0,
-                    "held_in_states": (b_held - b0) / state_bytes,
-                    "steady_in_states": (b_steady - b0) / state_bytes,
-                    "peak_bytes_in_use": peak,
-                }
-            )
-            _log(
-                f"  memory {label}: held across a call {(b_held - b0) / state_bytes:.2f} states "
-                f"({n_held - n0} buffers), steady {(b_steady - b0) / state_bytes:.2f} states"
-            )
-            del st, call
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            _log(f"  memory {label}: FAILED ({row['error'][:300]})")
-        mem_rows.append(row)
-        gc.collect()
-
+    # --- memory: section 2's Equinox methods, already compiled; else a few compiled here ---
+    memory = done.get("steps", {}).get("equinox", {}).get("memory")
+    if memory is not None:
+        memory = {**memory, "source": "measured on section 2's Equinox methods, after timing"}
+    else:
+        methods: list[Method] = [
+            EqxPlainJit(s, donate=False),
+            EqxPlainJit(s, donate=True),
+            EqxHandFlat(s),
+            EqxAutoflat(s, 1),
+            EqxAutoflat(s, 1, donate=False),
+        ]
+        _first_calls(methods, s.check_batches[:2], s.batch, cfg["jobs"])
+        memory = {**measure_memory(methods), "source": "measured here (section 2 not run)"}
+    memory["state_arrays"] = eqx_models.count_leaves((s.model, s.opt_state))["arrays"]
     return {
         "compile": {"repeats": cfg["compile_repeats"], "rows": compile_rows},
-        "memory": {
-            "method": "device memory_stats()"
-            if stats_available
-            else "jax.live_arrays() total bytes (memory_stats() is unavailable on this backend)",
-            "memory_stats_available": stats_available,
-            "state_bytes": state_bytes,
-            "state_arrays": eqx_models.count_leaves((s.model, s.opt_state))["arrays"],
-            "rows": mem_rows,
-        },
+        "memory": memory,
     }
 
 
@@ -1610,14 +1712,16 @@ def _notes_list(rows: list[dict[str, Any]]) -> list[str]:
 
 def _agreement_line(agreement: dict[str, Any]) -> str:
     parts = [
-        f"{k} {v['max_rel_diff_first_steps']:.0e}/{v['max_rel_diff_all_steps']:.0e}"
+        f"{k} vs {v['reference']} {v['max_rel_diff_compared']:.0e} (first "
+        f"{v['compared_steps']}) / {v['max_rel_diff_all_steps']:.0e}"
         for k, v in agreement.items()
-        if k != next(iter(agreement))
+        if k != v["reference"]
     ]
-    ref = next(iter(agreement)) if agreement else "?"
     return (
-        f"Agreement with `{ref}` (max relative loss difference, first {STRICT_STEPS} steps / all "
-        f"{CHECK_STEPS}): " + ", ".join(parts) + "."
+        f"Agreement before timing (max relative loss difference over the compared steps / over "
+        f"all {CHECK_STEPS} checked steps; tolerance {RTOL:g}): " + ", ".join(parts) + ". "
+        "Loop and scan programs are compared on the first step only (rounding differences "
+        "between the two XLA programs grow within a few steps on these narrow models)."
     )
 
 
@@ -1693,8 +1797,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                 [
                     row["variant"],
                     row["what"],
-                    _fmt(row["seconds_per_N"]["median"]),
-                    _spread(row["seconds_per_N"]),
+                    _fmt_s(row["seconds_per_N"]["median"]),
+                    f"{_fmt_s(row['seconds_per_N']['min'])}–{_fmt_s(row['seconds_per_N']['max'])}",
                     _fmt(row["us_per_iteration"]["median"]),
                     f"{row['x_naive']:.3f}",
                     "" if t is None else f"{t:g}",
@@ -1789,13 +1893,15 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             "per-step scalar). µs per step, median (min–max)."
         )
         L.append("")
-        kinds = ["jit", "jit_donate", "autoflat_1", "autoflat_10"]
         titles = {
             "jit": "jax.jit",
             "jit_donate": "jax.jit + donate",
             "autoflat_1": "autoflat 1",
             "autoflat_10": "autoflat 10",
+            "autoflat_1_pack": "autoflat 1, pack=True",
         }
+        present = {x["key"] for d in r["by_leaves"].values() for x in d.get("rows", [])}
+        kinds = [k for k in titles if k in present]
         body = []
         for n_leaves in r["leaves"]:
             rows = {x["key"]: x for x in r["by_leaves"].get(str(n_leaves), {}).get("rows", [])}
@@ -1814,7 +1920,11 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             else:
                 cells.append("–")
             body.append(cells)
-        L += _table(["leaves", *[titles[k] for k in kinds], "jax.jit ÷ autoflat 1"], "rrrrrr", body)
+        L += _table(
+            ["leaves", *[titles[k] for k in kinds], "jax.jit ÷ autoflat 1"],
+            "r" * (len(kinds) + 2),
+            body,
+        )
         L.append("")
         fails = [
             (n_leaves, x["method"], x.get("error", ""))
@@ -1856,7 +1966,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             body.append(
                 [
                     x["method"],
-                    f"{x['make_s']['median'] * 1e3:.1f}",
+                    _fmt(x["make_s"]["median"] * 1e3),
                     f"{x['first_call_s']['median']:.2f}",
                     f"{x['first_call_s']['min']:.2f}–{x['first_call_s']['max']:.2f}",
                     f"{x['second_call_s']['median'] * 1e3:.1f}",
@@ -1871,12 +1981,11 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         L.append("")
         mem = r["memory"]
         L.append(
-            f"Memory: measured with {mem['method']}. State: {mem['state_arrays']} arrays, "
-            f'{mem["state_bytes"]:,} bytes. "Held across a call": live bytes right after a '
-            f"call while the caller still holds the previous state (donated buffers are "
-            f'deleted, so they do not count), i.e. what a step needs at its peak; "steady": '
-            f"after the previous state is dropped. Both in multiples of the state's size, over "
-            f"a baseline taken before the method's state was created."
+            f'Memory ({mem.get("source", "")}): measured with {mem["method"]}. "Held across a '
+            "call\": the state's live bytes right after one call while the caller still holds "
+            "the previous state (donated buffers are deleted and do not count), i.e. what a "
+            'step needs at its peak besides temporaries; "steady": after the previous state '
+            "is dropped. In multiples of the state's size (about 2 without donation, 1 with)."
         )
         L.append("")
         body = []
@@ -1888,13 +1997,13 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
                 [
                     x["method"],
                     f"{x['held_in_states']:.2f}",
-                    f"{x['held_across_call_bytes']:,} ({x['held_across_call_buffers']} buffers)",
+                    f"{x['held_across_call_bytes']:,}",
                     f"{x['steady_in_states']:.2f}",
-                    f"{x['steady_bytes']:,} ({x['steady_buffers']} buffers)",
+                    f"{x['state_bytes']:,}",
                 ]
             )
         L += _table(
-            ["method", "held across a call (states)", "bytes", "steady (states)", "bytes"],
+            ["method", "held across a call (states)", "bytes", "steady (states)", "state bytes"],
             "lrrrr",
             body,
         )
@@ -1950,8 +2059,9 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
         ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="x", which="both", alpha=0.3)
-        for yi, v in zip(y, med, strict=True):
-            ax.text(v, yi, f" {_fmt(v)}", va="center", fontsize=7)
+        for yi, v, h in zip(y, med, hi, strict=True):
+            ax.text(h, yi, f"  {_fmt(v)}", va="center", fontsize=7)
+        ax.margins(x=0.12)
 
     # 1. seed
     if "seed" in sec:
@@ -1978,6 +2088,7 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
             "jit_donate": ("jax.jit + donate", "tab:orange", "s-"),
             "autoflat_1": ("autoflat num_steps=1", "tab:blue", "^-"),
             "autoflat_10": ("autoflat num_steps=10", "tab:green", "v-"),
+            "autoflat_1_pack": ("autoflat num_steps=1, pack=True", "tab:purple", "D--"),
         }
         for k, (label, color, fmt) in styles.items():
             xs, med, lo, hi = [], [], [], []
@@ -2132,7 +2243,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--image-size", type=int, default=16)
     ap.add_argument("--nnx-batchnorm", action="store_true", help="nnx.BatchNorm in the NNX model")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="first calls (compiles) run this many at a time, before any timing (default: "
+        "min(2, CPUs)); timing is always serial",
+    )
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite report.md and report.png from the report.json in --out; run nothing",
+    )
     args = ap.parse_args(argv)
+    out_dir = Path(args.out)
+    if args.render_only:
+        report = json.loads((out_dir / "report.json").read_text())
+        write_markdown(report, out_dir / "report.md")
+        write_chart(report, out_dir / "report.png")
+        _log(f"rendered {out_dir / 'report.md'} and {out_dir / 'report.png'}")
+        return 0
 
     quick = args.quick
     block_s = args.block_seconds or (0.1 if quick else 1.0)
@@ -2149,12 +2279,12 @@ def main(argv: list[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "image_size": args.image_size,
         "nnx_batchnorm": args.nnx_batchnorm,
+        "jobs": max(1, args.jobs or min(2, os.cpu_count() or 1)),
     }
     wanted = [x.strip() for x in args.sections.split(",") if x.strip()]
     for w in wanted:
         if w not in SECTIONS:
             ap.error(f"unknown section {w!r}: choose from 1, 2, 3, 4")
-    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     t_start = perf()
@@ -2181,7 +2311,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"[{i + 1}/{len(wanted)}] section {w}: {title} ({perf() - t_start:.0f} s elapsed)")
         t0 = perf()
         try:
-            report["sections"][name] = fn(args, cfg)
+            report["sections"][name] = fn(args, cfg, report["sections"])
             report["sections"][name]["seconds"] = perf() - t0
         except Exception:
             report["errors"][w] = traceback.format_exc()
