@@ -133,7 +133,8 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
                 in_calls = 0.0
                 n_host = max(3, n_calls // 4)
                 for _ in range(n_host):
-                    jax.block_until_ready(st[1])
+                    # block on the raw buffers: blocking on a packed handle would unpack it
+                    jax.block_until_ready([h._af_arrays for h in st[1][:2]])
                     c0 = clock()
                     st[1] = st[0](*st[1][:2], batches)
                     in_calls += clock() - c0

@@ -58,7 +58,8 @@ Sections
 3. **Overhead against the number of leaves** (10 ... 3000): a state of that many small f32
    arrays (8 elements each) with the update `x * 0.99 + g` (`g` a per-step scalar input):
    `jax.jit` without and with donation against autoflat `num_steps` 1 and 10 (and 1 with
-   `pack=True` where available).
+   `pack=True` where available; with `--quick` only up to 300 leaves, as XLA's compile time
+   for packing thousands of leaves grows super-linearly: about 2 min at 3000 on 2 cores).
 
 4. **Compile time and memory.** Compile: first-call wall time (trace + compile + one step)
    of the Equinox step of section 2 under `jax.jit`, `jax.jit` + donation, `eqx.filter_jit`,
@@ -1386,7 +1387,11 @@ def section_leaves(
             Sweep(n, "jit_donate"),
             Sweep(n, "autoflat_1"),
             Sweep(n, "autoflat_10"),
-            *([Sweep(n, "autoflat_1_pack")] if _has_pack() else []),
+            *(
+                [Sweep(n, "autoflat_1_pack")]
+                if _has_pack() and n <= cfg["sweep_pack_max_leaves"]
+                else []
+            ),
         ]
         res = check_and_time(
             f"{n} leaves",
@@ -1891,6 +1896,17 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         L.append(
             "A state of N arrays of 8 f32 each; step `[x * 0.99 + g for x in state]` (`g` a "
             "per-step scalar). µs per step, median (min–max)."
+            + (
+                f" `pack=True` only up to {cfg.get('sweep_pack_max_leaves')} leaves here (XLA's "
+                "compile time for packing grows super-linearly with the leaves)."
+                if cfg.get("sweep_pack_max_leaves", max(r["leaves"])) < max(r["leaves"])
+                and any(
+                    x["key"] == "autoflat_1_pack"
+                    for d in r["by_leaves"].values()
+                    for x in d.get("rows", [])
+                )
+                else ""
+            )
         )
         L.append("")
         titles = {
@@ -2275,6 +2291,9 @@ def main(argv: list[str] | None = None) -> int:
         "seed_repeats": 3 if quick else 5,
         "compile_repeats": 1 if quick else 3,
         "sweep_leaves": SWEEP_LEAVES,
+        # XLA takes super-linear time to compile thousands of slices into one buffer (about
+        # 2 min at 3000 leaves on 2 cores), so --quick packs only the small states.
+        "sweep_pack_max_leaves": 300 if quick else max(SWEEP_LEAVES),
         "width": args.width,
         "batch_size": args.batch_size,
         "image_size": args.image_size,
