@@ -90,6 +90,18 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
-    """Host-overhead benchmarks (figures for the docs and issue notes; not a test)."""
-    session.install("-e", ".[tests]")
-    session.run("python", "benchmarks/bench_overhead.py", *session.posargs)
+    """The benchmark report (not a test): benchmarks/results/report.{md,json,png}.
+
+    `nox -s bench` is the full run (10-20 min on 2 CPU cores: use a quiet machine);
+    `nox -s bench -- --quick` checks the suite in a few minutes. Arguments after `--` go to
+    benchmarks/report.py (`--out DIR`, `--sections 2,3`, `--jobs 1`, ...).
+    """
+    session.install("-e", ".[examples]")  # equinox, flax, matplotlib
+    session.run("python", "benchmarks/report.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_transport(session: nox.Session) -> None:
+    """Flat, packed and automatic transport side by side (issue figures; not a test)."""
+    session.install("-e", ".[examples]")
+    session.run("python", "benchmarks/bench_transport.py", *session.posargs)

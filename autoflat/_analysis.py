@@ -388,9 +388,26 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         new_funcdef = funcdef.with_changes(body=block)
         module = module.with_changes(body=[new_funcdef if s is funcdef else s for s in module.body])
         funcdef = new_funcdef
+    params, variadic = _params(fn)
+    in_source = [
+        p.name.value
+        for p in (
+            *funcdef.params.posonly_params,
+            *funcdef.params.params,
+            *funcdef.params.kwonly_params,
+        )
+    ]
+    if funcdef.name.value != fn.__name__ or in_source != [p.name for p in params]:
+        raise AutoflatError(
+            NO_SOURCE.format(
+                name=name,
+                where=where(filename, first_line),
+                reason="the file on disk no longer matches the function that was imported "
+                "(it was edited since): restart or re-import it",
+            )
+        )
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     positions = wrapper.resolve(meta.PositionProvider)
-    params, variadic = _params(fn)
     line_offset = first_line - 1
     visitor = _Visitor(funcdef, frozenset(p.name for p in params))
     wrapper.visit(visitor)

@@ -192,3 +192,17 @@ def test_state_option_on_a_value_not_returned_by_name():
     step = autoflat.step(f, state="w")
     with pytest.raises(autoflat.AutoflatError, match="no `return` gives it back by name"):
         step(jnp.ones(2), jnp.ones(2))
+
+
+def test_source_edited_since_import_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib
+    import linecache
+
+    path = tmp_path / "edited_mod.py"
+    path.write_text("def update(model, x):\n    model = model + x\n    return model\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("edited_mod")
+    path.write_text("# a new first line\ndef other(a, b, c):\n    return a\n")
+    linecache.checkcache(str(path))
+    with pytest.raises(autoflat.AutoflatError, match="no longer matches the function"):
+        autoflat.step(mod.update)
