@@ -66,6 +66,24 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
+def pax(session: nox.Session) -> None:
+    """PAX (the library the idea came from) needs an older JAX: its tutorial's step under
+    autoflat, on small PAX models, against the tutorial's own jax.jit loop."""
+    session.install(
+        "jax==0.4.35",
+        "jaxlib==0.4.35",
+        "pax3==0.5.9",
+        "opax==0.2.11",
+        "optax==0.2.5",
+        "libcst>=1.1",
+        "typing-extensions>=4.5",
+        "pytest>=8",
+    )
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", "tests/test_pax.py", *session.posargs)
+
+
+@nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff (E, F, I, UP, B) and its formatter check."""
     session.install("ruff>=0.6")

@@ -219,6 +219,10 @@ def _scan(
     return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)
 
 
+def _weak(a: Any) -> bool:
+    return bool(getattr(getattr(a, "aval", None), "weak_type", False))
+
+
 def _bad_length(spec: CallSpec, reason: str) -> None:
     scanned = ", ".join(spec.program.roles.of("scanned")) or "(none)"
     raise AutoflatError(
@@ -635,6 +639,16 @@ class Step:
                     [
                         a if s is None else jax.lax.with_sharding_constraint(a, s)
                         for a, s in zip(flat.arrays, placement.shardings, strict=True)
+                    ],
+                )
+            if any(_weak(a) for a in flat.arrays):
+                # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make
+                # the next call's input differ from this one's and compile the step again.
+                flat = FlatState(
+                    flat.structure,
+                    [
+                        jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a
+                        for a in flat.arrays
                     ],
                 )
             if self.pack:
