@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -368,8 +369,6 @@ class Step:
 
     @property
     def _may_mutate(self) -> bool:
-        import sys
-
         return "flax.nnx" in sys.modules
 
     @property
@@ -897,8 +896,6 @@ def _is_mutable_container(x: Any) -> bool:
     params = getattr(type(x), "__dataclass_params__", None)
     if params is not None and params.frozen:
         return False
-    import sys
-
     eqx = sys.modules.get("equinox")
     return not (eqx is not None and isinstance(x, eqx.Module))
 
