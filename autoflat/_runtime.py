@@ -42,6 +42,7 @@ from ._errors import (
     AutoflatError,
 )
 from ._handles import _UNBUILT, LazyHandle, Origin
+from ._nnx import NnxCache, get_raw, set_raw
 from ._roles import Options, Roles, assign_roles, check_options, is_mutable_module
 from ._structure import FlatState, Placement, Structure, flatten, placement_of
 from ._transport import Layout, PackMode
@@ -260,7 +261,14 @@ _written_by_us: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDiction
 
 def _all_ours(arrays: list[Any]) -> bool:
     get = _written_by_us.get
-    return all(get(id(a)) is a for a in arrays)
+    if all(get(id(a)) is a for a in arrays):
+        return True
+    # Written by a step's Flax NNX fast path, which keeps them in its cache instead.
+    for step in _all_steps:
+        cache = step._nnx_cache
+        if cache is not None and cache.holds(arrays):
+            return True
+    return False
 
 
 class Step:
@@ -317,6 +325,8 @@ class Step:
         self._programs: dict[Roles, Program] = {}
         self._by_mutable: dict[frozenset[str], Program] = {}
         self._specs: dict[Any, CallSpec] = {}
+        # Flax NNX objects passed again and again (mutation style): see `_nnx`.
+        self._nnx_cache: NnxCache | None = None
         self._last_trace_key: Any = None
         self._last_change = ""
         self._warned = False
@@ -407,8 +417,25 @@ class Step:
         unpacked: dict[int, list[Any]] = {}
         donated: list[LazyHandle] = []
         last = self._last
+        nnx_cache = self._nnx_cache
+        nnx_hit = nnx_cache is not None and nnx_cache.lookup(program, args, LazyHandle)
         for k, i in enumerate(program.state_idx):
             a = args[i]
+            if nnx_hit and k in nnx_cache.variables:  # type: ignore[union-attr]
+                # The same Flax NNX object as last call, unchanged: no graph traversal, and
+                # its arrays are the ones we wrote, so they are donated without a copy.
+                arrs = nnx_cache.arrays[k]  # type: ignore[union-attr]
+                placement = nnx_cache.placements[k]  # type: ignore[union-attr]
+                layout = _transport.host_layout(arrs, placement, self.pack)
+                if layout is not None:
+                    arrs = _transport.pack_on_device(layout, arrs)
+                    stats.copies += 1
+                structures.append(nnx_cache.structures[k])  # type: ignore[union-attr]
+                leaves.append(arrs)
+                placements.append(placement)
+                layouts.append(layout)
+                stats.fast_path += 1
+                continue
             if last:
                 # lazy=False: the real object we returned last time stands for its handle.
                 pair = last.get(k)
@@ -443,7 +470,9 @@ class Step:
             leaves.append(arrs)
             layouts.append(layout)
         nnx_vars: dict[int, list[Any]] = {}
-        if self._may_mutate:
+        if nnx_hit:
+            nnx_vars = nnx_cache.variables  # type: ignore[union-attr]
+        elif self._may_mutate:
             nnx_vars = _nnx_variables(self, program, args, unpacked)
         if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
             # The same handle twice: donating its buffers twice would fail. Copy the repeats.
@@ -519,13 +548,24 @@ class Step:
             handles.append(
                 LazyHandle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
             )
+        written: dict[int, list[Any]] = {}
         for k, i in program.written_back_idx:
             variables = nnx_vars.get(k)
             if variables is not None and state_out[k].structure is structures[k]:
                 # Flax NNX, same structure: set the new values straight into the caller's
                 # Variables (what nnx.update does, without traversing the graph again).
-                for v, arr in zip(variables, LazyHandle._af_leaf_arrays(handles[k]), strict=True):
-                    _set_raw(v, arr)
+                new_arrays = LazyHandle._af_leaf_arrays(handles[k])
+                if nnx_hit and variables:
+                    # One Variable through Flax's checked setter (it refuses a write from
+                    # inside a transform); the rest like it, directly.
+                    set_raw(variables[0], new_arrays[0])
+                    list(map(nnx_cache.set_unchecked, variables, new_arrays))  # type: ignore[union-attr]
+                else:
+                    for v, arr in zip(variables, new_arrays, strict=True):
+                        set_raw(v, arr)
+                written[k] = new_arrays
+                if nnx_hit:
+                    continue  # the cache records them as ours (see `_all_ours`)
             else:
                 self._write_back(args[i], handles[k], names[k])
             if type(args[i]) is not LazyHandle:
@@ -534,6 +574,8 @@ class Step:
                 # the ones we wrote.
                 for arr in LazyHandle._af_leaf_arrays(handles[k]):
                     _written_by_us[id(arr)] = arr
+        if nnx_hit or nnx_vars:
+            self._remember_nnx(program, args, nnx_vars, written, structures, placements, nnx_hit)
         if not self.lazy:
             last.clear()
             for k, h in enumerate(handles):
@@ -549,6 +591,61 @@ class Step:
         if shape == "single":
             return items[0]
         return tuple(items)
+
+    def _remember_nnx(
+        self,
+        program: Program,
+        args: tuple[Any, ...],
+        nnx_vars: dict[int, list[Any]],
+        written: dict[int, list[Any]],
+        structures: list[Structure],
+        placements: list[Placement | None],
+        hit: bool,
+    ) -> None:
+        """After a call: keep (or refresh) the Flax NNX fast-path cache, or drop it."""
+        cache = self._nnx_cache
+        if hit and cache is not None:
+            if written.keys() == cache.variables.keys():
+                for k, arrays in written.items():
+                    cache.written(k, arrays)
+                return
+            self._nnx_cache = None
+            return
+        # Cached only when every state argument was either a lazy handle or an NNX object
+        # whose Variables line up with its leaves and were all written back in place.
+        objects = {}
+        for k, i in enumerate(program.state_idx):
+            a = args[i]
+            if type(a) is LazyHandle:
+                continue
+            if k not in written:
+                self._nnx_cache = None
+                return
+            objects[k] = a
+        if not objects:
+            self._nnx_cache = None
+            return
+        from flax import nnx
+
+        step_ref = weakref.ref(self)
+
+        def lost() -> None:
+            step = step_ref()
+            if step is not None and step._nnx_cache is new:
+                step._nnx_cache = None
+
+        new = NnxCache(
+            program,
+            program.state_idx,
+            objects,
+            {k: nnx_vars[k] for k in objects},
+            {k: written[k] for k in objects},
+            {k: structures[k] for k in objects},
+            {k: placements[k] for k in objects},
+            lambda x: isinstance(x, nnx.Variable) or _structure.is_array(x),
+            lost,
+        )
+        self._nnx_cache = new
 
     def _unhashable(self, program: Program, static: tuple[Any, ...]) -> None:
         for p, v in zip(program.roles.of("static"), static, strict=True):
@@ -694,6 +791,7 @@ class Step:
     def clear_cache(self) -> None:
         self._specs.clear()
         self._bcast_last.clear()
+        self._nnx_cache = None
         self._last.clear()
         self._jit = jax.jit(
             self._entry, static_argnums=0, donate_argnums=(1,) if self.donate else ()
@@ -812,23 +910,10 @@ def _nnx_variables(
             seen.add(id(v))
         arrays = leaves[k]
         if len(variables) == len(arrays) and all(
-            np.shape(_get_raw(v)) == np.shape(x) for v, x in zip(variables, arrays, strict=True)
+            np.shape(get_raw(v)) == np.shape(x) for v, x in zip(variables, arrays, strict=True)
         ):
             out[k] = variables
     return out
-
-
-def _get_raw(v: Any) -> Any:
-    get = getattr(v, "get_raw_value", None)
-    return get() if get is not None else v.raw_value
-
-
-def _set_raw(v: Any, value: Any) -> None:
-    set_ = getattr(v, "set_raw_value", None)
-    if set_ is not None:
-        set_(value)
-    else:
-        v.raw_value = value
 
 
 def _raise_shared(step: Step, program: Program, args: tuple[Any, ...], var: Any) -> None:

@@ -183,3 +183,105 @@ def test_alternating_train_and_eval_steps_copy_nothing_after_the_first_call():
         # step) donates buffers autoflat wrote into the objects
         assert (train.stats.copies, evaluate.stats.copies) == (3, 0)
     assert int(optimizer.step[...]) == 6
+
+
+def test_unchanged_objects_take_the_fast_path():
+    xs, ys = _data(4)
+    model, optimizer, metrics = make()
+    step = autoflat.step(train_step)
+    for i in range(4):
+        step(model, optimizer, metrics, xs[i], ys[i])
+    stats = autoflat.stats(step)
+    assert stats.flattens == 3  # the first call only: later calls find the same objects unchanged
+    assert stats.fast_path == 3 * 3
+    assert stats.traces == 1
+    if not step.pack:
+        assert stats.copies == 3
+
+
+class _Scaled(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 3, rngs=rngs)
+        self.scales = [1.0, 2.0]  # a plain list of Python floats: static, part of the structure
+
+    def __call__(self, x):
+        return self.l1(x) * self.scales[0]
+
+
+def _restore(model, saved):
+    nnx.update(model, saved)
+
+
+CHANGES = {
+    "eval mode": lambda model, opt: model.eval(),
+    "value set by hand": lambda model, opt: setattr(
+        model.l1.kernel, "value", model.l1.kernel.value * 0.5
+    ),
+    "submodule replaced": lambda model, opt: setattr(
+        model, "l2", nnx.Linear(16, 3, rngs=nnx.Rngs(5))
+    ),
+    "new attribute": lambda model, opt: setattr(model, "extra", nnx.BatchStat(jnp.ones(2))),
+    "checkpoint restored": lambda model, opt: _restore(
+        model, jax.tree.map(lambda a: a + 1.0, nnx.state(model, nnx.Param))
+    ),
+    "optimizer step reset": lambda model, opt: setattr(opt.step, "value", jnp.array(0, jnp.uint32)),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_changes_between_calls_are_seen(change):
+    xs, ys = _data(4)
+    ref_objs = make()
+    ref = nnx.jit(train_step)
+    objs = make()
+    step = autoflat.step(train_step)
+    for i in range(4):
+        if i == 2:
+            CHANGES[change](*ref_objs[:2])
+            CHANGES[change](*objs[:2])
+        ref(*ref_objs, xs[i], ys[i])
+        step(*objs, xs[i], ys[i])
+        _assert_same(objs, ref_objs)
+    assert autoflat.stats(step).flattens > 3  # the call after the change flattened again
+
+
+def test_static_attributes_changed_between_calls_are_seen():
+    def step_fn(model, x):
+        model.l1.bias.value = model.l1.bias.value + jnp.sum(model(x))
+
+    model = _Scaled(nnx.Rngs(0))
+    expected = _Scaled(nnx.Rngs(0))  # run eagerly, no compiled-function cache at all
+    step = autoflat.step(step_fn)
+    x = jnp.ones((2, 4))
+    for i in range(4):
+        if i == 2:
+            model.scales = [3.0, 2.0]  # a new static value
+            expected.scales = [3.0, 2.0]
+        step(model, x)
+        step_fn(expected, x)
+        tree_allclose(nnx.state(model), nnx.state(expected), rtol=1e-6)
+    assert autoflat.stats(step).traces == 2  # compiled again for the new value
+    assert autoflat.stats(step).flattens == 2  # the first call and the one after the change
+
+    # Changed in place, the list is seen too (the call flattens again). Note that JAX's own
+    # caches compare static values by equality with the treedef they hold, which holds this
+    # same list object, so the compiled step keeps the old value, exactly as `nnx.jit` does.
+    model.scales[0] = 5.0
+    step(model, x)
+    assert autoflat.stats(step).flattens == 3
+
+
+def test_the_fast_path_does_not_keep_dropped_objects_alive():
+    import gc
+    import weakref
+
+    xs, ys = _data(1)
+    model, optimizer, metrics = make()
+    step = autoflat.step(train_step)
+    step(model, optimizer, metrics, xs[0], ys[0])
+    kernel = weakref.ref(model.l1.kernel.get_raw_value())
+    dropped = weakref.ref(model)
+    del model, optimizer, metrics
+    gc.collect()
+    assert dropped() is None
+    assert kernel() is None  # nor the buffers it wrote into them

@@ -218,3 +218,41 @@ def test_weakly_typed_start_compiles_once():
     for _ in range(2):
         p, o = step(p, o, jnp.ones((2, 3)))
     assert step.stats.traces == 1
+
+
+def test_graph_snapshot_sees_every_kind_of_change():
+    from autoflat._nnx import GraphSnapshot
+
+    class Node:
+        def __init__(self):
+            self.child = None
+            self.flag = False
+            self.items = [1, 2]
+            self.table = {"a": (1, [3])}
+            self.tags = {"x"}
+
+    def snapshot(root):
+        return GraphSnapshot([root], lambda x: isinstance(x, (int, str, bool)))
+
+    changes = [
+        lambda n: setattr(n, "flag", True),
+        lambda n: setattr(n, "new", 1),
+        lambda n: delattr(n, "flag"),
+        lambda n: n.items.append(3),
+        lambda n: n.items.__setitem__(0, 5),
+        lambda n: n.table.__setitem__("b", 1),
+        lambda n: n.table["a"][1].append(4),  # a list inside a tuple inside a dict
+        lambda n: n.tags.add("y"),
+        lambda n: setattr(n.child, "flag", True),  # a nested object
+    ]
+    for change in changes:
+        root = Node()
+        root.child = Node()
+        snap = snapshot(root)
+        assert snap.unchanged()
+        change(root)
+        assert not snap.unchanged()
+    root = Node()
+    snap = snapshot(root)
+    root.flag = False  # the same object again: no change
+    assert snap.unchanged()
