@@ -65,10 +65,11 @@ def slow(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
 
 
-@nox.session(python="3.11")
+@nox.session
 def pax(session: nox.Session) -> None:
     """PAX (the library the idea came from) needs an older JAX: its tutorial's step under
-    autoflat, on small PAX models, against the tutorial's own jax.jit loop."""
+    autoflat, on small PAX models, against the tutorial's own jax.jit loop. Runs on the
+    interpreter that runs nox (part of the README's test command, so CI runs it)."""
     session.install(
         "jax==0.4.35",
         "jaxlib==0.4.35",

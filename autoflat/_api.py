@@ -113,7 +113,7 @@ def step(
     - `pack`: how state leaves travel across `jax.jit`. `False`: one buffer per array leaf.
       `True`: every array leaf that is not sharded over several devices (and not a PRNG key)
       is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at most
-      16,384 elements are packed; larger ones (weights) keep their own buffers. Fewer buffers
+      512 elements are packed; larger ones (weights) keep their own buffers. Fewer buffers
       means less host time per call; packing costs device copies in and out of the buffers.
 
     **Returns:**

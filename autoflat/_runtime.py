@@ -5,6 +5,9 @@ The call path of a decorated step:
 - *fast path*: a state argument that is an unconsumed lazy handle costs O(1) Python work:
   its interned structure and leaf list are used as they are (no `tree_flatten`, no treedef
   comparison beyond identity);
+- *Flax NNX fast path*: the same NNX objects as the last call, unchanged since (checked by
+  identity against a snapshot, see `_nnx`), reuse that call's structure and the buffers it
+  wrote into their Variables;
 - *slow path*: anything else is flattened once and its structure interned; with donation on,
   its leaves are copied first, so the caller's own buffers are never donated;
 - outputs are wrapped in lazy handles without unflattening.
@@ -59,7 +62,8 @@ class Stats:
     """Counters of one decorated step function.
 
     - `calls`: calls of the step.
-    - `fast_path`: state arguments taken from lazy handles with no host flatten.
+    - `fast_path`: state arguments taken with no host flatten: lazy handles, and Flax NNX
+      objects unchanged since this step's last call.
     - `flattens`: host-side `tree_flatten`s of state and broadcast arguments.
     - `copies`: state arguments copied before donation (they were not autoflat's own).
     - `traces`: traces of the generated function (each is followed by an XLA compile).
@@ -466,6 +470,10 @@ class Step:
             elif donate and arrs and not _all_ours(arrs):
                 arrs = _copy_leaves(arrs)
                 stats.copies += 1
+            elif not donate and any(getattr(a, "weak_type", False) for a in arrs):
+                # Not copied, but a weakly typed leaf would still compile the step twice
+                # (its output comes back strongly typed): only those leaves are converted.
+                arrs = [_copy_leaves([a])[0] if getattr(a, "weak_type", False) else a for a in arrs]
             structures.append(s)
             leaves.append(arrs)
             layouts.append(layout)

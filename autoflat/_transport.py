@@ -24,10 +24,13 @@ import numpy as np
 
 PackMode = Literal[False, True, "auto"]
 
-# Under `pack="auto"`, leaves with at most this many elements are packed. Chosen from
-# benchmarks/bench_transport.py (see docs/performance.md): below it, a leaf's buffer costs
-# more host time than copying its bytes in and out of a packed buffer costs device time.
-AUTO_MAX_ELEMENTS = 16_384
+# Under `pack="auto"`, leaves with at most this many elements are packed. Chosen from the
+# leaf-size sweep of benchmarks/bench_transport.py (`--sweep`, see docs/performance.md): on a
+# 2-core CPU, 48 leaves of each size with Adam, packing took 0.56x the flat time per step at
+# 128 elements, 0.59x at 256, 0.84x at 512, and lost from 1,024 on (1.13x, 1.08x at 2,048,
+# 1.23x at 4,096, 1.57x at 16,384): past that, copying a leaf's bytes in and out of a packed
+# buffer costs more device time than its own buffer costs host time.
+AUTO_MAX_ELEMENTS = 512
 
 
 class Group:

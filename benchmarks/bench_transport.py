@@ -1,6 +1,7 @@
 """Flat, packed and automatic transport of state, side by side in one process.
 
     python benchmarks/bench_transport.py [--quick] [--json PATH]
+    python benchmarks/bench_transport.py --sweep   # the leaf-size sweep behind pack="auto"
 
 For three models, each trained with optax.adam by `@autoflat.step(num_steps=k, pack=...)`
 for k in 1 and 10 and pack in False (one buffer per leaf), True (every small-enough-to-pack
@@ -171,11 +172,77 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
     return rows
 
 
+def sweep_case(size: int, n_leaves: int = 48) -> tuple[Any, Any, Any]:
+    """`n_leaves` weight-like leaves of `size` elements each (plus Adam): the leaf size at
+    which packing stops paying sets pack="auto"'s threshold."""
+    keys = jax.random.split(jax.random.key(0), n_leaves)
+    params = [jax.random.normal(k, (size,)) * 0.01 for k in keys]
+    x = jnp.ones((8, size))
+
+    def loss(params: list[jax.Array], batch: jax.Array) -> jax.Array:
+        return sum(jnp.mean(jnp.tanh(batch * p)) for p in params)  # type: ignore[return-value]
+
+    return params, x, loss
+
+
+def run_sweep(sizes: list[int], repeats: int, quick: bool) -> list[dict[str, Any]]:
+    """End-to-end time per step at num_steps=1, pack=False against pack=True, per leaf size."""
+    rows = []
+    for size in sizes:
+        params, batch, loss_fn = sweep_case(size)
+        update = make_update(loss_fn)
+        opt_state = tx.init(params)
+        steps = {}
+        for pack in (False, True):
+            step = autoflat.step(update, num_steps=1, pack=pack)
+            state = step(params, opt_state, batch)
+            state = step(*state[:2], batch)
+            jax.block_until_ready(state[2])
+            steps[pack] = [step, state]
+        s = steps[False]
+        t0 = time.perf_counter()
+        for _ in range(3):
+            s[1] = s[0](*s[1][:2], batch)
+        jax.block_until_ready(s[1][2])
+        per_call = (time.perf_counter() - t0) / 3
+        n_calls = max(3, min(2000, int((0.15 if quick else 0.4) / max(per_call, 1e-6))))
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(repeats):
+            for pack in (False, True) if r % 2 == 0 else (True, False):
+                st = steps[pack]
+                t0 = time.perf_counter()
+                for _ in range(n_calls):
+                    st[1] = st[0](*st[1][:2], batch)
+                jax.block_until_ready(st[1][2])
+                times[pack].append((time.perf_counter() - t0) / n_calls)
+        flat, packed = (float(np.median(times[p])) for p in (False, True))
+        rows.append(
+            {
+                "leaf_elements": size,
+                "leaves": 48 * 3,
+                "flat_us": flat * 1e6,
+                "packed_us": packed * 1e6,
+                "packed_vs_flat": packed / flat,
+            }
+        )
+        print(
+            f"  leaves of {size:>7,} elements: flat {flat * 1e6:8.0f} µs, "
+            f"packed {packed * 1e6:8.0f} µs, packed × flat {packed / flat:.2f}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="only the leaf-size sweep behind pack='auto''s threshold",
+    )
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     print(
@@ -187,6 +254,14 @@ def main() -> None:
         f"equinox {eqx.__version__}, optax {optax.__version__}, autoflat {autoflat.__version__}"
     )
     print(f"pack='auto' packs leaves of at most {_transport.AUTO_MAX_ELEMENTS} elements")
+    if args.sweep:
+        sizes = [128, 256, 512, 1_024, 2_048, 4_096, 16_384]
+        print("leaf-size sweep: 48 leaves of each size with Adam (144 arrays), num_steps=1")
+        sweep = run_sweep(sizes, repeats, args.quick)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(sweep, f, indent=1)
+        return
     rows = []
     for name, case in (
         ("a. narrow ResNet50 + adam", resnet_case),

@@ -1649,7 +1649,12 @@ def _versions() -> dict[str, str]:
         out["autoflat_commit"] = commit + (" (autoflat/ has uncommitted changes)" if dirty else "")
     except Exception:
         out["autoflat_commit"] = "unknown"
-    out["autoflat_path"] = str(Path(autoflat.__file__).resolve().parent)
+    where = Path(autoflat.__file__).resolve().parent
+    # Relative to this checkout when it is this checkout's autoflat (no machine paths in
+    # the committed results), else only whether it is an installed copy.
+    out["autoflat_path"] = (
+        str(where.relative_to(_HERE.parent)) if where.is_relative_to(_HERE.parent) else "installed"
+    )
     return out
 
 

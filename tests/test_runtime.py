@@ -201,7 +201,8 @@ def _spec_args(step, xs):
     return spec, ([arrays[0]],), (xs,), ()
 
 
-def test_weakly_typed_start_compiles_once():
+@pytest.mark.parametrize("donate", [True, False])
+def test_weakly_typed_start_compiles_once(donate):
     import optax
 
     tx = optax.adam(1e-2)
@@ -213,11 +214,12 @@ def test_weakly_typed_start_compiles_once():
         return params, opt_state
 
     params = {"w": jnp.full((3,), 1.0)}  # weakly typed
-    step = autoflat.step(update, num_steps=2)
+    step = autoflat.step(update, num_steps=2, donate=donate)
     p, o = step(params, tx.init(params), jnp.ones((2, 3)))
     for _ in range(2):
         p, o = step(p, o, jnp.ones((2, 3)))
     assert step.stats.traces == 1
+    assert params["w"].weak_type  # the caller's own array is left as it was
 
 
 def test_graph_snapshot_sees_every_kind_of_change():

@@ -1,0 +1,188 @@
+"""Packed transport (`pack=True` / `"auto"`): layouts, bitwise equality with `pack=False`,
+handles over packed state, sharded leaves never packed.
+
+The whole suite also runs with each packing mode as the default (`nox -s tests_pack`); this
+module checks packing in the default run too.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+from jax.sharding import NamedSharding, PartitionSpec
+
+import autoflat
+from autoflat import _transport
+
+tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+
+def init_params():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    return {
+        "big": jax.random.normal(k1, (160, 128)),  # 20,480 elements: over the auto limit
+        "layers": [
+            {"w": jax.random.normal(k, (4, 4)), "b": jnp.zeros(4)} for k in jax.random.split(k2, 6)
+        ],
+        "scale": jnp.ones((), jnp.bfloat16),
+        "steps": jnp.zeros((), jnp.int32),
+        "key": jax.random.key(1),
+        "proj": jax.random.normal(k3, (128, 4)),
+    }
+
+
+def loss_fn(params, x):
+    h = jnp.tanh(x @ params["big"]) @ params["proj"]
+    for layer in params["layers"]:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return jnp.mean(h**2) * params["scale"].astype(jnp.float32)
+
+
+def update(params, opt_state, x):
+    floats = {k: v for k, v in params.items() if k not in ("steps", "key")}
+    loss, grads = jax.value_and_grad(loss_fn)(floats, x)
+    updates, opt_state = tx.update(grads, opt_state, floats)
+    floats = optax.apply_updates(floats, updates)
+    key, _ = jax.random.split(params["key"])
+    params = {**floats, "steps": params["steps"] + 1, "key": key}
+    return params, opt_state, loss
+
+
+def _opt_init(params):
+    return tx.init({k: v for k, v in params.items() if k not in ("steps", "key")})
+
+
+def _run(pack, k, n_calls):
+    step = autoflat.step(update, num_steps=k, pack=pack)
+    params = init_params()
+    opt_state = _opt_init(params)
+    xs = jax.random.normal(jax.random.key(2), (n_calls, k, 8, 160))
+    losses = []
+    for i in range(n_calls):
+        x = xs[i] if k > 1 else xs[i, 0]
+        params, opt_state, loss = step(params, opt_state, x)
+        losses.append(loss)
+    return step, params, opt_state, losses
+
+
+def _bits(tree):
+    leaves = jax.tree.leaves(autoflat.unwrap(tree))
+    return [
+        np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        )
+        for x in leaves
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("pack", [True, "auto"])
+def test_packed_results_are_bitwise_those_of_flat(pack, k):
+    _, ref_params, ref_opt, ref_losses = _run(False, k, 3)
+    step, params, opt_state, losses = _run(pack, k, 3)
+    for a, b in zip(
+        _bits((params, opt_state, losses)), _bits((ref_params, ref_opt, ref_losses)), strict=True
+    ):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    # the state really travelled packed: a few buffers instead of one per leaf
+    layout = params._af_layout
+    n_leaves = len(jax.tree.leaves(autoflat.unwrap(params)))
+    assert layout.n_leaves == n_leaves and layout.n_buffers < n_leaves
+    big = 0  # leaf 0: params["big"], 20,480 elements, over the "auto" limit
+    assert (big in layout.singles) == (pack == "auto")
+    assert autoflat.stats(step).traces == 1
+
+
+def test_layouts_group_by_dtype_and_keep_large_keys_and_sharded_leaves_apart():
+    f32, i32, bf16 = jnp.dtype("float32"), jnp.dtype("int32"), jnp.dtype("bfloat16")
+    key = jax.random.key(0).dtype
+    avals = [
+        ((4, 4), f32),  # 0
+        ((4,), f32),  # 1
+        ((200, 100), f32),  # 2: 20,000 elements
+        ((), i32),  # 3: the only int32 leaf: a group of one saves nothing
+        ((3,), bf16),  # 4
+        ((3,), bf16),  # 5
+        ((), key),  # 6: PRNG keys never packed
+        ((8,), f32),  # 7: sharded over several devices
+    ]
+    multi = [False] * 7 + [True]
+    assert _transport.layout_for(avals, multi, False) is None
+    auto = _transport.layout_for(avals, multi, "auto")
+    assert auto.singles == (2, 3, 6, 7)
+    assert {(str(g.dtype), g.indices) for g in auto.groups} == {
+        ("float32", (0, 1)),
+        ("bfloat16", (4, 5)),
+    }
+    full = _transport.layout_for(avals, multi, True)
+    assert full.singles == (3, 6, 7)
+    assert {(str(g.dtype), g.indices) for g in full.groups} == {
+        ("float32", (0, 1, 2)),
+        ("bfloat16", (4, 5)),
+    }
+    assert _transport.layout_for(avals, multi, "auto") is auto  # interned
+    # nothing to pack: no layout at all
+    assert _transport.layout_for([((4,), f32), ((), i32)], [False, False], True) is None
+
+
+def test_handles_over_packed_state_behave_as_before(monkeypatch):
+    step = autoflat.step(update, pack=True)
+    params, opt_state, _ = step(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))
+    ref = autoflat.step(update)
+    ref_params, _, _ = ref(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))
+
+    calls = []
+    real = _transport.unpack_on_device
+    monkeypatch.setattr(_transport, "unpack_on_device", lambda *a: calls.append(1) or real(*a))
+    # attribute access rebuilds once, with one device call
+    assert params["layers"][0]["w"].shape == (4, 4)
+    assert params["steps"].dtype == jnp.int32
+    assert len(calls) == 1
+    tree_allclose(autoflat.unwrap(params), ref_params, exact=True)
+    assert len(calls) == 1
+    # pickling, jax.tree.map, another jitted function
+    tree_allclose(pickle.loads(pickle.dumps(opt_state)), autoflat.unwrap(opt_state), exact=True)
+    doubled = jax.tree.map(lambda x: x * 2, opt_state)
+    tree_allclose(doubled, jax.tree.map(lambda x: x * 2, autoflat.unwrap(opt_state)), exact=True)
+
+    def norm(p):
+        return jnp.sqrt(jnp.sum(p["big"] ** 2) + jnp.sum(p["proj"] ** 2))
+
+    np.testing.assert_array_equal(jax.jit(norm)(params), jax.jit(norm)(ref_params))
+
+
+def test_state_spanning_several_devices_is_never_packed():
+    # (a mix of single- and multi-device leaves is packed apart: see the layout test above)
+    devices = np.array(jax.devices()[:8])
+    if devices.size < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.sharding.Mesh(devices, ("d",))
+    sharded = NamedSharding(mesh, PartitionSpec("d"))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    @autoflat.step(num_steps=2, pack=True)
+    def decay(state, g):
+        state = {k: v * 0.5 + g for k, v in state.items()}
+        return state
+
+    state = {
+        "a": jax.device_put(jnp.arange(16.0), sharded),
+        "b": jax.device_put(jnp.arange(16.0) + 1, sharded),
+        "c": jax.device_put(jnp.ones(4), replicated),
+        "d": jax.device_put(jnp.ones(4) * 2, replicated),
+    }
+    out = decay(state, jnp.ones(2))
+    # every leaf spans the 8 devices (sharded or replicated): none is packed
+    assert out._af_layout is None
+    real = autoflat.unwrap(out)
+    assert real["a"].sharding.is_equivalent_to(sharded, 1)
+    assert real["c"].sharding.is_equivalent_to(replicated, 1)
+    np.testing.assert_allclose(real["a"], jnp.arange(16.0) * 0.25 + 1.5)
+    np.testing.assert_allclose(real["d"], 2 * 0.25 + 1.5)
