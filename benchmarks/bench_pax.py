@@ -31,7 +31,8 @@ d. the tutorial's `pax.experimental.Flattener` recipe (`flat_update_wrapper`), o
 e. `autoflat.step(update, num_steps=1)`, naive `opax.adam`, handles passed back in;
 e'. the same with `donate=False` (on jax 0.4.35's CPU backend a call that donates a buffer
    still being computed waits for it, so e dispatches synchronously; a-d do not donate);
-f. `autoflat.step(update, num_steps=10)`, naive `opax.adam`, inputs with a leading axis of 10.
+f. `autoflat.step(update, num_steps=10)`, naive `opax.adam`, inputs with a leading axis of 10;
+f'. the same with `donate=False`.
 
 (The tutorial's hand-written `flatten_update` is not a row: as printed it calls
 `loss_fn(params, model, inputs)`, a signature its `loss_fn` does not have. Part 1 row 4 times
@@ -404,6 +405,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 donate=False,
             ),
             Autoflat("autoflat_10", "f. autoflat num_steps=10", batch10, net, adam, NUM_STEPS),
+            Autoflat(
+                "autoflat_10_nodonate",
+                "f'. autoflat num_steps=10, donate=False",
+                batch10,
+                net,
+                adam,
+                NUM_STEPS,
+                donate=False,
+            ),
         ]
 
         # --- agreement over the same 10 steps (and the compiles) ------------------------------
@@ -429,6 +439,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "flattener vs jit_flat_opt": _diff(finals["flattener"], finals["jit_flat_opt"]),
             "autoflat_10 vs pax_scan (model)": _diff(
                 finals["autoflat_10"], finals["pax_scan"], False
+            ),
+            "autoflat_10_nodonate vs autoflat_10": _diff(
+                finals["autoflat_10_nodonate"], finals["autoflat_10"]
             ),
         }
         loss_diff = {
