@@ -135,7 +135,7 @@ def test_layouts_group_by_dtype_and_keep_large_keys_and_sharded_leaves_apart():
 def test_handles_over_packed_state_behave_as_before(monkeypatch):
     step = autoflat.step(update, pack=True)
     params, opt_state, _ = step(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))
-    ref = autoflat.step(update)
+    ref = autoflat.step(update, pack=False)
     ref_params, _, _ = ref(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))
 
     calls = []
