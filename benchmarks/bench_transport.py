@@ -17,7 +17,13 @@ call of the step, i.e. until JAX has dispatched it: argument handling, the execu
 launch and the creation of its output buffers), the median time per step over repeats
 (calls back to back, one `block_until_ready` at the end of each timed block, so host work
 and device work overlap as in training: the end-to-end figure), spreads, ratios against
-pack=False, and the number of buffers per call.
+pack=False, and the number of buffers per call. "host CPU" is the CPU time the calling thread
+spends in the call (`time.thread_time`): on a CPU backend the program starts running on the
+same cores as soon as it is launched, so the wall time of the rest of the call includes time
+the calling thread waits for a core. "bare program" is the host time per call of
+the step's own compiled program called directly with its buffers, the same way: the runtime's
+cost of launching that program with that many buffers, below which no transport goes (the step's
+host time minus it is what autoflat itself adds).
 """
 
 from __future__ import annotations
@@ -120,7 +126,11 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
         n_calls = max(3, min(2000, int((0.15 if quick else 0.5) / max(per_call, 1e-6))))
         times: dict[Any, list[float]] = {p: [] for p in steps}
         host: dict[Any, list[float]] = {p: [] for p in steps}
+        floor: dict[Any, list[float]] = {p: [] for p in steps}
+        host_cpu: dict[Any, list[float]] = {p: [] for p in steps}
+        bare = {p: _bare_program(steps[p][0], steps[p][1], batches) for p in steps}
         clock = time.perf_counter
+        cpu_clock = time.thread_time
         for r in range(repeats):
             order = list(steps)[r % 3 :] + list(steps)[: r % 3]
             for pack in order:
@@ -133,15 +143,20 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
                 # Host time of a call: the device idle when it starts, so the call returns
                 # as soon as it has dispatched (no back-pressure from earlier calls).
                 in_calls = 0.0
+                cpu_in_calls = 0.0
                 n_host = max(3, n_calls // 4)
                 for _ in range(n_host):
                     # block on the raw buffers: blocking on a packed handle would unpack it
                     jax.block_until_ready([h._af_arrays for h in st[1][:2]])
                     c0 = clock()
+                    t0 = cpu_clock()
                     st[1] = st[0](*st[1][:2], batches)
+                    cpu_in_calls += cpu_clock() - t0
                     in_calls += clock() - c0
                 jax.block_until_ready(st[1])
                 host[pack].append(in_calls / n_host)
+                host_cpu[pack].append(cpu_in_calls / n_host)
+                floor[pack].append(_bare_call_time(bare[pack], n_host, clock))
         base = float(np.median(times[False]))
         for pack in steps:
             handle = steps[pack][1][0]
@@ -166,10 +181,40 @@ def run_case(name: str, case: Any, quick: bool, repeats: int) -> list[dict[str, 
                     "vs_flat": med / base,
                     "host_us_per_call": float(np.median(host[pack])) * 1e6,
                     "host_vs_flat": float(np.median(host[pack])) / float(np.median(host[False])),
+                    "bare_us_per_call": float(np.median(floor[pack])) * 1e6,
+                    "host_cpu_us_per_call": float(np.median(host_cpu[pack])) * 1e6,
+                    "host_cpu_vs_flat": float(np.median(host_cpu[pack]))
+                    / float(np.median(host_cpu[False])),
                     "repeats_us": [t * 1e6 for t in times[pack]],
                 }
             )
     return rows
+
+
+def _bare_program(step: Any, state: Any, batches: Any) -> list[Any]:
+    """The step's own compiled program, to be called without autoflat: its executable and a
+    fresh copy of the buffers it takes (see `_bare_call_time`)."""
+    (spec,) = step._specs.values()
+    buffers = tuple([jnp.copy(b) for b in h._af_arrays] for h in state[:2])
+    compiled = step._jit.lower(spec, buffers, (batches,), ()).compile()
+    return [compiled, buffers, (batches,)]
+
+
+def _bare_call_time(bare: list[Any], n: int, clock: Any) -> float:
+    """Host time of a call of the compiled program itself, the same way as the step's: the
+    runtime's own cost of launching it with these buffers, which no transport of the same
+    buffers goes below. The host time of the step minus this is autoflat's own."""
+    compiled, buffers, xs = bare
+    total = 0.0
+    for _ in range(n):
+        jax.block_until_ready(buffers)
+        c0 = clock()
+        state_out, _ = compiled(buffers, xs, ())
+        total += clock() - c0
+        buffers = tuple(f.arrays for f in state_out)
+    jax.block_until_ready(buffers)
+    bare[1] = buffers
+    return total / n
 
 
 def sweep_case(size: int, n_leaves: int = 48) -> tuple[Any, Any, Any]:
@@ -273,14 +318,17 @@ def main() -> None:
     print()
     print(
         "| model | params | arrays | num_steps | pack | buffers | host µs/call | host × flat "
-        "| µs/step (median) | spread | step × flat |"
+        "| host CPU µs/call | CPU × flat | bare program µs/call | µs/step (median) | spread "
+        "| step × flat |"
     )
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['model']} | {r['params']:,} | {r['arrays']} | {r['num_steps']} | {r['pack']} | "
             f"{r['buffers']} | "
             f"{r['host_us_per_call']:,.0f} | {r['host_vs_flat']:.2f} | "
+            f"{r['host_cpu_us_per_call']:,.0f} | {r['host_cpu_vs_flat']:.2f} | "
+            f"{r['bare_us_per_call']:,.0f} | "
             f"{r['us_per_step']:,.0f} | {r['min']:,.0f}–{r['max']:,.0f} | {r['vs_flat']:.2f} |"
         )
     if args.json:
