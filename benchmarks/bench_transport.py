@@ -22,8 +22,8 @@ spends in the call (`time.thread_time`): on a CPU backend the program starts run
 same cores as soon as it is launched, so the wall time of the rest of the call includes time
 the calling thread waits for a core. "bare program" is the host time per call of
 the step's own compiled program called directly with its buffers, the same way: the runtime's
-cost of launching that program with that many buffers, below which no transport goes (the step's
-host time minus it is what autoflat itself adds).
+cost of launching that program with that many buffers, the floor for that transport (the
+step's host time minus it is what autoflat itself adds).
 """
 
 from __future__ import annotations
