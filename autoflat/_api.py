@@ -114,7 +114,9 @@ def step(
       `True`: every array leaf that is not sharded over several devices (and not a PRNG key)
       is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at most
       512 elements are packed; larger ones (weights) keep their own buffers. Fewer buffers
-      means less host time per call; packing costs device copies in and out of the buffers.
+      means less host time per call; packing costs device copies in and out of the buffers,
+      and a longer first compile (each packed leaf gets kernels of its own, where XLA would
+      compile the kernels of same-shaped flat leaves once). See docs/performance.md.
 
     **Returns:**
 
