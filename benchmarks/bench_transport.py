@@ -1,6 +1,6 @@
 """Flat, packed and automatic transport of state, side by side in one process.
 
-    python benchmarks/bench_transport.py [--quick] [--json PATH]
+    python benchmarks/bench_transport.py [--quick] [--json PATH] [--models abc] [--repeats N]
     python benchmarks/bench_transport.py --sweep   # the leaf-size sweep behind pack="auto"
 
 For three models, each trained with optax.adam by `@autoflat.step(num_steps=k, pack=...)`
@@ -284,6 +284,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
+        "--models", default="abc", help="which of the models a, b, c to run (default: all)"
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="only the leaf-size sweep behind pack='auto''s threshold",
@@ -313,6 +316,8 @@ def main() -> None:
         ("b. tiny MLP (~300 leaves) + adam", tiny_mlp_case),
         ("c. wide MLP + adam", wide_mlp_case),
     ):
+        if name[0] not in args.models:
+            continue
         print(f"running {name} ...", flush=True)
         rows += run_case(name, case, args.quick, repeats)
     print()
