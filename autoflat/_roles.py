@@ -15,6 +15,7 @@ Returned values that are not state are per-step outputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any, Literal
 
@@ -63,8 +64,9 @@ class Roles:
     def of(self, role: Role) -> tuple[str, ...]:
         return tuple(p for p, r in zip(self.params, self.roles, strict=True) if r == role)
 
-    @property
+    @functools.cached_property
     def state(self) -> tuple[str, ...]:
+        # Cached: read on every call of a step. Equality and hashing use the fields only.
         return self.of("state")
 
     @property

@@ -99,7 +99,6 @@ class Program:
         "static_idx",
         "written_back_idx",
         "entries",
-        "state_names",
     )
 
     def __init__(
@@ -116,7 +115,6 @@ class Program:
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
         self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)
         self.entries = roles.layout.entries
-        self.state_names = roles.state
 
 
 class CallSpec:
@@ -550,7 +548,7 @@ class Step:
 
         origin = self._origin
         handles = []
-        names = program.state_names
+        names = program.roles.state
         for k, flat in enumerate(state_out):
             placement = placements[k]
             if placement is not None and flat.structure is not structures[k]:
