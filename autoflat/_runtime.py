@@ -20,6 +20,7 @@ cache gives one compile per distinct (structures, static args, input shapes, chu
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import sys
 import warnings
@@ -68,6 +69,8 @@ class Stats:
     - `copies`: state arguments copied before donation (they were not autoflat's own).
     - `traces`: traces of the generated function (each is followed by an XLA compile).
     - `rebuilds`: lazy handles from this step rebuilt into real objects.
+    - `replays`: calls that passed back only the handles the previous call returned, with
+      the same static and broadcast objects, and so skipped argument handling altogether.
     """
 
     calls: int = 0
@@ -76,6 +79,7 @@ class Stats:
     copies: int = 0
     traces: int = 0
     rebuilds: int = 0
+    replays: int = 0
 
     def snapshot(self) -> Stats:
         return dataclasses.replace(self)
@@ -157,6 +161,32 @@ class CallSpec:
 
     def __repr__(self) -> str:
         return f"CallSpec({self.step.__name__}, static={self.static})"
+
+
+class Replay:
+    """What a step's next call can reuse when it only passes back the handles it returned.
+
+    The common training loop, `model, opt_state, loss = step(model, opt_state, batch)`,
+    passes the same static and broadcast objects every call and, as state, handles whose
+    structure, placement and layout are those of the last call's spec. Such a call needs no
+    argument binding, no structure or cache lookup and no broadcast handling: the checks
+    below, all by identity, stand for them.
+    """
+
+    __slots__ = ("spec", "state", "scanned_idx", "fixed", "bcast_leaves", "n_state")
+
+    def __init__(self, spec: CallSpec, args: tuple[Any, ...], bcast_leaves: tuple[Any, ...]):
+        program = spec.program
+        self.spec = spec
+        # Per state argument: (position, structure, placement, layout) a handle must have.
+        self.state = tuple(
+            zip(program.state_idx, spec.structures, spec.placements, spec.layouts, strict=True)
+        )
+        self.n_state = len(program.state_idx)
+        self.scanned_idx = program.scanned_idx
+        # Static and broadcast arguments: the very objects of the recorded call.
+        self.fixed = tuple((i, args[i]) for i in (*program.static_idx, *program.bcast_idx))
+        self.bcast_leaves = bcast_leaves
 
 
 # --- helpers the generated code calls (inside the trace) ---------------------------------
@@ -275,6 +305,29 @@ def _all_ours(arrays: list[Any]) -> bool:
     return False
 
 
+_FROZEN_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
+
+
+def _replay_safe(value: Any) -> bool:
+    """Whether a static argument found again by identity is sure to select the same spec:
+    an immutable scalar, a tuple of such, or an object hashed by identity."""
+    t = type(value)
+    if t in _FROZEN_SCALARS or t.__hash__ is object.__hash__ or isinstance(value, enum.Enum):
+        return True
+    return t is tuple and all(_replay_safe(v) for v in value)
+
+
+def _result(program: Program, handles: list[Any], outputs: Any) -> Any:
+    """What the step returns: its state (as handles) and outputs, in the user's order."""
+    shape = program.roles.layout.kind
+    if shape == "none":
+        return None
+    items = [handles[j] if kind == "state" else outputs[j] for kind, j in program.entries]
+    if shape == "single":
+        return items[0]
+    return tuple(items)
+
+
 class Step:
     """A step function transformed by `autoflat.step`. Call it like the original."""
 
@@ -329,6 +382,8 @@ class Step:
         self._programs: dict[Roles, Program] = {}
         self._by_mutable: dict[frozenset[str], Program] = {}
         self._specs: dict[Any, CallSpec] = {}
+        # The last call's reusable parts, when the next call may skip the generic path.
+        self._replay: Replay | None = None
         # Flax NNX objects passed again and again (mutation style): see `_nnx`.
         self._nnx_cache: NnxCache | None = None
         self._last_trace_key: Any = None
@@ -407,6 +462,12 @@ class Step:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        replay = self._replay
+        if replay is not None and not kwargs:
+            handles = self._replayable(replay, args)
+            if handles is not None:
+                return self._call_replay(replay, args, handles)
+        self._replay = None
         stats = self.stats
         stats.calls += 1
         if kwargs or len(args) != self._n_params:
@@ -528,14 +589,7 @@ class Step:
         try:
             state_out, outputs = self._jit(spec, tuple(leaves), xs, tuple(bcast_leaves))
         except Exception as e:
-            _loading.rewrite_traceback(
-                e,
-                program.generated,
-                program.filename,
-                self._analysis.filename,
-                self._analysis.funcdef.name.value,
-                self.__qualname__,
-            )
+            self._rewrite_traceback(e, program)
             raise
 
         if self._pending_warning is not None:
@@ -546,16 +600,7 @@ class Step:
             for h in donated:
                 object.__setattr__(h, "_af_consumed_by", call)
 
-        origin = self._origin
-        handles = []
-        names = program.roles.state
-        for k, flat in enumerate(state_out):
-            placement = placements[k]
-            if placement is not None and flat.structure is not structures[k]:
-                placement = placement_of(flat.arrays)
-            handles.append(
-                LazyHandle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
-            )
+        handles = self._handles(program, state_out, structures, placements)
         written: dict[int, list[Any]] = {}
         for k, i in program.written_back_idx:
             variables = nnx_vars.get(k)
@@ -575,7 +620,7 @@ class Step:
                 if nnx_hit:
                     continue  # the cache records them as ours (see `_all_ours`)
             else:
-                self._write_back(args[i], handles[k], names[k])
+                self._write_back(args[i], handles[k], program.roles.state[k])
             if type(args[i]) is not LazyHandle:
                 # The caller's object now holds buffers this call produced: a later call (of
                 # this step or another) may donate them without a copy while they are still
@@ -590,15 +635,106 @@ class Step:
                 obj = LazyHandle._af_get(h)
                 last[k] = (obj, h)
                 handles[k] = obj
+        elif (
+            not program.written_back_idx
+            and self._nnx_cache is None
+            and all(_replay_safe(args[i]) for i in program.static_idx)
+            and all(
+                (cached := self._bcast_last.get(k)) is not None and cached[0] is args[i]
+                for k, i in enumerate(program.bcast_idx)
+            )
+        ):
+            # The next call may take the replay path (see `Replay`): broadcast arguments
+            # only if immutable (their leaves are cached), static ones only if an identical
+            # object can never hash differently.
+            self._replay = Replay(spec, args, tuple(bcast_leaves))
+        return _result(program, handles, outputs)
 
-        entries = program.entries
-        shape = program.roles.layout.kind
-        if shape == "none":
+    # --- the replay path --------------------------------------------------------------------
+    def _replayable(self, replay: Replay, args: tuple[Any, ...]) -> list[LazyHandle] | None:
+        """The state handles of `args` if this call may take the replay path, else None.
+
+        Every check is by identity and nothing is changed, so a miss costs nothing but the
+        checks: the generic path then handles the call as always."""
+        if len(args) != self._n_params or not self.lazy:
             return None
-        items = [handles[j] if kind == "state" else outputs[j] for kind, j in entries]
-        if shape == "single":
-            return items[0]
-        return tuple(items)
+        handles = []
+        for i, structure, placement, layout in replay.state:
+            h = args[i]
+            if (
+                type(h) is not LazyHandle
+                or h._af_structure is not structure
+                or h._af_consumed_by
+                or h._af_layout is not layout
+                or h._af_placement is not placement
+                or (h._af_obj is not _UNBUILT and not structure.immutable)
+            ):
+                return None
+            handles.append(h)
+        for i, obj in replay.fixed:
+            if args[i] is not obj:
+                return None
+        if replay.n_state > 1 and len({id(h) for h in handles}) != replay.n_state:
+            return None  # the same handle twice: the generic path copies the repeat
+        if self._may_mutate and any(is_mutable_module(args[i]) for i in replay.scanned_idx):
+            return None  # another program (see `_program_for`)
+        return handles
+
+    def _call_replay(self, replay: Replay, args: tuple[Any, ...], handles: list[LazyHandle]) -> Any:
+        __tracebackhide__ = True
+        spec = replay.spec
+        program = spec.program
+        stats = self.stats
+        stats.calls += 1
+        stats.replays += 1
+        stats.fast_path += replay.n_state
+        xs = tuple(args[i] for i in replay.scanned_idx)
+        try:
+            state_out, outputs = self._jit(
+                spec, tuple([h._af_arrays for h in handles]), xs, replay.bcast_leaves
+            )
+        except Exception as e:
+            self._rewrite_traceback(e, program)
+            raise
+        if self._pending_warning is not None:
+            message, self._pending_warning = self._pending_warning, None
+            warnings.warn(message, AutoflatRecompileWarning, stacklevel=3)
+        if self.donate:
+            call = stats.calls
+            for h in handles:
+                object.__setattr__(h, "_af_consumed_by", call)
+        new = self._handles(program, state_out, spec.structures, spec.placements)
+        return _result(program, new, outputs)
+
+    # --- shared by both paths ---------------------------------------------------------------
+    def _handles(
+        self,
+        program: Program,
+        state_out: tuple[FlatState, ...],
+        structures: Any,
+        placements: Any,
+    ) -> list[LazyHandle]:
+        origin = self._origin
+        names = program.roles.state
+        handles = []
+        for k, flat in enumerate(state_out):
+            placement = placements[k]
+            if placement is not None and flat.structure is not structures[k]:
+                placement = placement_of(flat.arrays)
+            handles.append(
+                LazyHandle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
+            )
+        return handles
+
+    def _rewrite_traceback(self, e: BaseException, program: Program) -> None:
+        _loading.rewrite_traceback(
+            e,
+            program.generated,
+            program.filename,
+            self._analysis.filename,
+            self._analysis.funcdef.name.value,
+            self.__qualname__,
+        )
 
     def _remember_nnx(
         self,
@@ -798,6 +934,7 @@ class Step:
 
     def clear_cache(self) -> None:
         self._specs.clear()
+        self._replay = None
         self._bcast_last.clear()
         self._nnx_cache = None
         self._last.clear()

@@ -258,3 +258,130 @@ def test_graph_snapshot_sees_every_kind_of_change():
     snap = snapshot(root)
     root.flag = False  # the same object again: no change
     assert snap.unchanged()
+
+
+# --- replays: the last call's handles passed straight back -----------------------------------
+
+
+def test_replay_only_for_the_last_calls_handles():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s, _ = acc(s, _ones(4))  # a real dict: the general path
+    s, _ = acc(s, _ones(4))  # the handle it returned: a replay
+    s, _ = acc(s, x=_ones(4))  # by keyword: the general path
+    s, _ = acc(s, _ones(4))  # a replay again
+    assert (acc.stats.calls, acc.stats.replays, acc.stats.flattens) == (4, 2, 1)
+    # A rebuilt dict may have been changed through the handle: flattened again, not replayed.
+    s["sum"] = s["sum"] + 100.0
+    s, _ = acc(s, _ones(4))
+    assert (acc.stats.replays, acc.stats.flattens) == (2, 2)
+    np.testing.assert_allclose(s["sum"], np.full(3, 120.0))
+    assert int(s["n"]) == 20
+
+
+def test_replay_needs_the_same_static_objects():
+    def scaled(state, x, scale):
+        state = state + x * scale
+        return state
+
+    step = autoflat.step(scaled, static_argnames="scale")
+    two, three = 2.0, 3.0
+    s = step(jnp.zeros(3), jnp.ones(3), two)
+    s = step(s, jnp.ones(3), two)
+    s = step(s, jnp.ones(3), three)
+    s = step(s, jnp.ones(3), three)
+    np.testing.assert_allclose(s, np.full(3, 10.0))
+    assert (step.stats.replays, step.stats.traces) == (2, 2)
+
+
+def test_no_replay_for_a_static_object_whose_hash_can_change():
+    class Config:  # hashed by value, and mutable
+        def __init__(self, k):
+            self.k = k
+
+        def __hash__(self):
+            return hash(self.k)
+
+        def __eq__(self, other):
+            return isinstance(other, Config) and other.k == self.k
+
+    def scaled(state, x, cfg):
+        state = state + x * cfg.k
+        return state
+
+    step = autoflat.step(scaled, static_argnames="cfg")
+    cfg = Config(2.0)
+    s = step(jnp.zeros(3), jnp.ones(3), cfg)
+    s = step(s, jnp.ones(3), cfg)
+    cfg.k = 3.0
+    s = step(s, jnp.ones(3), cfg)  # compiled again for the new value
+    np.testing.assert_allclose(s, np.full(3, 7.0))
+    assert (step.stats.replays, step.stats.traces) == (0, 2)
+
+
+def test_replay_never_reuses_a_mutable_broadcast_argument():
+    def shift(state, consts):
+        state = state + consts["by"]
+        return state
+
+    step = autoflat.step(shift, broadcast="consts")
+    consts = {"by": jnp.float32(2.0)}
+    s = step(jnp.float32(0.0), consts)
+    s = step(s, consts)
+    consts["by"] = jnp.float32(5.0)  # changed in place between calls
+    s = step(s, consts)
+    assert float(s) == 9.0 and step.stats.replays == 0
+
+    frozen = (jnp.float32(2.0),)
+
+    def shift_by(state, consts):
+        state = state + consts[0]
+        return state
+
+    step = autoflat.step(shift_by, broadcast="consts")
+    s = step(jnp.float32(0.0), frozen)
+    s = step(s, frozen)
+    s = step(s, frozen)
+    assert float(s) == 6.0 and step.stats.replays == 2
+
+
+def test_a_failed_replay_leaves_the_handles_usable():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s, _ = acc(s, _ones(4))
+    with pytest.raises(autoflat.AutoflatError, match="leading axis of 5, more than num_steps"):
+        acc(s, _ones(5))
+    s, _ = acc(s, _ones(4))
+    assert int(s["n"]) == 8 and acc.stats.replays == 2
+
+
+def test_recompile_warning_from_a_replay_points_at_the_caller():
+    def total(state, x):
+        state = state + jnp.sum(x)
+        return state
+
+    step = autoflat.step(total)
+    s = step(jnp.float32(0.0), jnp.ones(1))
+    with pytest.warns(autoflat.AutoflatRecompileWarning, match="shape") as record:
+        for n in range(2, autoflat._runtime.RECOMPILE_WARN_AFTER + 2):
+            s = step(s, jnp.ones(n))
+    assert step.stats.replays == autoflat._runtime.RECOMPILE_WARN_AFTER
+    assert record[0].filename == __file__
+
+
+def test_no_replay_when_the_same_handle_is_passed_twice_or_lazy_is_off():
+    @autoflat.step
+    def add(a, b):
+        a = a + b
+        b = b * 1
+        return a, b
+
+    a, b = add(jnp.float32(1.0), jnp.float32(2.0))
+    a, b = add(a, a)  # the same handle twice: the general path copies the repeat
+    assert float(a) == 6.0 and float(b) == 3.0 and add.stats.replays == 0
+
+    eager = autoflat.step(accumulate, lazy=False)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    for _ in range(3):
+        s, _ = eager(s, jnp.ones(3))
+    assert type(s) is dict and eager.stats.replays == 0 and int(s["n"]) == 3
