@@ -266,6 +266,46 @@ class _Unbuilt:
 
 _UNBUILT = _Unbuilt()
 
+_slot_setters = tuple(
+    getattr(LazyHandle, name).__set__
+    for name in (
+        "_af_structure",
+        "_af_arrays",
+        "_af_placement",
+        "_af_obj",
+        "_af_origin",
+        "_af_param",
+        "_af_consumed_by",
+        "_af_layout",
+        "_af_unpacked",
+    )
+)
+
+
+def new_handle(
+    structure: Structure,
+    arrays: list[Any],
+    placement: Placement | None,
+    origin: Origin | None,
+    param: str,
+    layout: Any,
+) -> LazyHandle:
+    """`LazyHandle(...)` by its slots' own setters: a step makes one per state output per
+    call, and this is the cheapest way to fill a slotted object whose `__setattr__` forwards
+    to the real one."""
+    h = object.__new__(LazyHandle)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = _slot_setters
+    s0(h, structure)
+    s1(h, arrays)
+    s2(h, placement)
+    s3(h, _UNBUILT)
+    s4(h, origin)
+    s5(h, param)
+    s6(h, 0)
+    s7(h, layout)
+    s8(h, None)
+    return h
+
 
 def _flatten_handle(h: LazyHandle) -> tuple[list[Any], Any]:
     structure, arrays = LazyHandle._af_leaves(h)

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import inspect
+import operator
 import sys
 import warnings
 import weakref
@@ -45,7 +47,7 @@ from ._errors import (
     UNHASHABLE_STATIC,
     AutoflatError,
 )
-from ._handles import _UNBUILT, LazyHandle, Origin
+from ._handles import _UNBUILT, LazyHandle, Origin, new_handle
 from ._nnx import NnxCache, get_raw, set_raw
 from ._roles import Options, Roles, assign_roles, check_options, is_mutable_module
 from ._structure import FlatState, Placement, Structure, flatten, placement_of
@@ -163,6 +165,14 @@ class CallSpec:
         return f"CallSpec({self.step.__name__}, static={self.static})"
 
 
+def _one_input(i: int, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[i],)
+
+
+def _no_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return ()
+
+
 class Replay:
     """What a step's next call can reuse when it only passes back the handles it returned.
 
@@ -173,7 +183,7 @@ class Replay:
     below, all by identity, stand for them.
     """
 
-    __slots__ = ("spec", "state", "scanned_idx", "fixed", "bcast_leaves", "n_state")
+    __slots__ = ("spec", "state", "xs_of", "fixed", "bcast_leaves", "n_state")
 
     def __init__(self, spec: CallSpec, args: tuple[Any, ...], bcast_leaves: tuple[Any, ...]):
         program = spec.program
@@ -183,7 +193,15 @@ class Replay:
             zip(program.state_idx, spec.structures, spec.placements, spec.layouts, strict=True)
         )
         self.n_state = len(program.state_idx)
-        self.scanned_idx = program.scanned_idx
+        # The per-step inputs, as the tuple the compiled entry takes.
+        scanned = program.scanned_idx
+        self.xs_of: Callable[[tuple[Any, ...]], tuple[Any, ...]]
+        if len(scanned) > 1:
+            self.xs_of = operator.itemgetter(*scanned)
+        elif scanned:
+            self.xs_of = functools.partial(_one_input, scanned[0])
+        else:
+            self.xs_of = _no_inputs
         # Static and broadcast arguments: the very objects of the recorded call.
         self.fixed = tuple((i, args[i]) for i in (*program.static_idx, *program.bcast_idx))
         self.bcast_leaves = bcast_leaves
@@ -304,6 +322,9 @@ def _all_ours(arrays: list[Any]) -> bool:
             return True
     return False
 
+
+_MISS = object()  # `Step._call_replay`: this call may not take the replay path
+_set_consumed_by = vars(LazyHandle)["_af_consumed_by"].__set__
 
 _FROZEN_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None)})
 
@@ -464,9 +485,9 @@ class Step:
         __tracebackhide__ = True
         replay = self._replay
         if replay is not None and not kwargs:
-            handles = self._replayable(replay, args)
-            if handles is not None:
-                return self._call_replay(replay, args, handles)
+            result = self._call_replay(replay, args)
+            if result is not _MISS:
+                return result
         self._replay = None
         stats = self.stats
         stats.calls += 1
@@ -600,7 +621,7 @@ class Step:
             for h in donated:
                 object.__setattr__(h, "_af_consumed_by", call)
 
-        handles = self._handles(program, state_out, structures, placements)
+        handles = self._handles(program, state_out, spec)
         written: dict[int, list[Any]] = {}
         for k, i in program.written_back_idx:
             variables = nnx_vars.get(k)
@@ -651,14 +672,16 @@ class Step:
         return _result(program, handles, outputs)
 
     # --- the replay path --------------------------------------------------------------------
-    def _replayable(self, replay: Replay, args: tuple[Any, ...]) -> list[LazyHandle] | None:
-        """The state handles of `args` if this call may take the replay path, else None.
+    def _call_replay(self, replay: Replay, args: tuple[Any, ...]) -> Any:
+        """The call on the replay path, or `_MISS` (with nothing changed) if it may not take it.
 
-        Every check is by identity and nothing is changed, so a miss costs nothing but the
-        checks: the generic path then handles the call as always."""
+        Every check is by identity, so a miss costs nothing but the checks: the generic path
+        then handles the call as always."""
+        __tracebackhide__ = True
         if len(args) != self._n_params or not self.lazy:
-            return None
+            return _MISS
         handles = []
+        leaves = []
         for i, structure, placement, layout in replay.state:
             h = args[i]
             if (
@@ -669,32 +692,28 @@ class Step:
                 or h._af_placement is not placement
                 or (h._af_obj is not _UNBUILT and not structure.immutable)
             ):
-                return None
+                return _MISS
             handles.append(h)
+            leaves.append(h._af_arrays)
         for i, obj in replay.fixed:
             if args[i] is not obj:
-                return None
-        if replay.n_state > 1 and len({id(h) for h in handles}) != replay.n_state:
-            return None  # the same handle twice: the generic path copies the repeat
-        if self._may_mutate and any(is_mutable_module(args[i]) for i in replay.scanned_idx):
-            return None  # another program (see `_program_for`)
-        return handles
+                return _MISS
+        n = replay.n_state
+        if n > 1 and len({id(h) for h in handles}) != n:
+            return _MISS  # the same handle twice: the generic path copies the repeat
+        xs = replay.xs_of(args)
+        if self._may_mutate and any(is_mutable_module(x) for x in xs):
+            return _MISS  # another program (see `_program_for`)
 
-    def _call_replay(self, replay: Replay, args: tuple[Any, ...], handles: list[LazyHandle]) -> Any:
-        __tracebackhide__ = True
         spec = replay.spec
-        program = spec.program
         stats = self.stats
         stats.calls += 1
         stats.replays += 1
-        stats.fast_path += replay.n_state
-        xs = tuple(args[i] for i in replay.scanned_idx)
+        stats.fast_path += n
         try:
-            state_out, outputs = self._jit(
-                spec, tuple([h._af_arrays for h in handles]), xs, replay.bcast_leaves
-            )
+            state_out, outputs = self._jit(spec, tuple(leaves), xs, replay.bcast_leaves)
         except Exception as e:
-            self._rewrite_traceback(e, program)
+            self._rewrite_traceback(e, spec.program)
             raise
         if self._pending_warning is not None:
             message, self._pending_warning = self._pending_warning, None
@@ -702,27 +721,26 @@ class Step:
         if self.donate:
             call = stats.calls
             for h in handles:
-                object.__setattr__(h, "_af_consumed_by", call)
-        new = self._handles(program, state_out, spec.structures, spec.placements)
-        return _result(program, new, outputs)
+                _set_consumed_by(h, call)
+        program = spec.program
+        return _result(program, self._handles(program, state_out, spec), outputs)
 
     # --- shared by both paths ---------------------------------------------------------------
     def _handles(
-        self,
-        program: Program,
-        state_out: tuple[FlatState, ...],
-        structures: Any,
-        placements: Any,
+        self, program: Program, state_out: tuple[FlatState, ...], spec: CallSpec
     ) -> list[LazyHandle]:
+        """New handles over a call's state outputs."""
         origin = self._origin
         names = program.roles.state
+        structures = spec.structures
+        placements = spec.placements
         handles = []
         for k, flat in enumerate(state_out):
             placement = placements[k]
             if placement is not None and flat.structure is not structures[k]:
                 placement = placement_of(flat.arrays)
             handles.append(
-                LazyHandle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
+                new_handle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
             )
         return handles
 
