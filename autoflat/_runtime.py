@@ -403,8 +403,11 @@ class Step:
         self._programs: dict[Roles, Program] = {}
         self._by_mutable: dict[frozenset[str], Program] = {}
         self._specs: dict[Any, CallSpec] = {}
-        # The last call's reusable parts, when the next call may skip the generic path.
+        # The last call's reusable parts, when the next call may skip the generic path (see
+        # `Replay`); `_use_replay = False` switches the replay path off (for benchmarks).
         self._replay: Replay | None = None
+        self._replay_kept: Replay | None = None
+        self._use_replay = True
         # Flax NNX objects passed again and again (mutation style): see `_nnx`.
         self._nnx_cache: NnxCache | None = None
         self._last_trace_key: Any = None
@@ -606,6 +609,7 @@ class Step:
                 key, program, structures, placements, bcast_structures, static, layouts
             )
 
+        replay = self._replay_for(program, spec, args, bcast_leaves)
         xs = tuple(args[i] for i in program.scanned_idx)
         try:
             state_out, outputs = self._jit(spec, tuple(leaves), xs, tuple(bcast_leaves))
@@ -656,20 +660,34 @@ class Step:
                 obj = LazyHandle._af_get(h)
                 last[k] = (obj, h)
                 handles[k] = obj
-        elif (
-            not program.written_back_idx
-            and self._nnx_cache is None
+        elif replay is not None and self._nnx_cache is None:
+            self._replay = replay
+        return _result(program, handles, outputs)
+
+    def _replay_for(
+        self, program: Program, spec: CallSpec, args: tuple[Any, ...], bcast_leaves: list[Any]
+    ) -> Replay | None:
+        """The replay record this call would leave for the next one, or None if the next call
+        may not take the replay path whatever it passes. Made before the launch (the device
+        is idle then) and reused while the spec and the fixed objects stay the same."""
+        if not (
+            self._use_replay
+            and self.lazy
+            and not program.written_back_idx
             and all(_replay_safe(args[i]) for i in program.static_idx)
             and all(
                 (cached := self._bcast_last.get(k)) is not None and cached[0] is args[i]
                 for k, i in enumerate(program.bcast_idx)
             )
         ):
-            # The next call may take the replay path (see `Replay`): broadcast arguments
-            # only if immutable (their leaves are cached), static ones only if an identical
-            # object can never hash differently.
-            self._replay = Replay(spec, args, tuple(bcast_leaves))
-        return _result(program, handles, outputs)
+            # Broadcast arguments only if immutable (their leaves are cached), static ones only
+            # if an identical object can never hash differently.
+            return None
+        kept = self._replay_kept
+        if kept is not None and kept.spec is spec and all(args[i] is o for i, o in kept.fixed):
+            return kept
+        kept = self._replay_kept = Replay(spec, args, tuple(bcast_leaves))
+        return kept
 
     # --- the replay path --------------------------------------------------------------------
     def _call_replay(self, replay: Replay, args: tuple[Any, ...]) -> Any:
@@ -952,7 +970,7 @@ class Step:
 
     def clear_cache(self) -> None:
         self._specs.clear()
-        self._replay = None
+        self._replay = self._replay_kept = None
         self._bcast_last.clear()
         self._nnx_cache = None
         self._last.clear()
