@@ -71,8 +71,10 @@ class Stats:
     - `copies`: state arguments copied before donation (they were not autoflat's own).
     - `traces`: traces of the generated function (each is followed by an XLA compile).
     - `rebuilds`: lazy handles from this step rebuilt into real objects.
-    - `replays`: calls that passed back only the handles the previous call returned, with
-      the same static and broadcast objects, and so skipped argument handling altogether.
+    - `replays`: calls that skipped argument handling altogether: their state arguments were
+      unconsumed, unchanged handles with the last call's structures, placements and layouts
+      (in a training loop, the handles the last call returned) and their static and
+      broadcast arguments the last call's very objects.
     """
 
     calls: int = 0
@@ -174,13 +176,15 @@ def _no_inputs(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class Replay:
-    """What a step's next call can reuse when it only passes back the handles it returned.
+    """What a step's next call can reuse when it passes back handles like those it returned.
 
     The common training loop, `model, opt_state, loss = step(model, opt_state, batch)`,
     passes the same static and broadcast objects every call and, as state, handles whose
     structure, placement and layout are those of the last call's spec. Such a call needs no
     argument binding, no structure or cache lookup and no broadcast handling: the checks
-    below, all by identity, stand for them.
+    below, all by identity, stand for them. Any handle that passes them would take the
+    general path's handle fast path to the same spec, so which handles they are (the last
+    call's, older ones with `donate=False`, another step's) does not matter.
     """
 
     __slots__ = ("spec", "state", "xs_of", "fixed", "bcast_leaves", "n_state")
@@ -617,9 +621,6 @@ class Step:
             self._rewrite_traceback(e, program)
             raise
 
-        if self._pending_warning is not None:
-            message, self._pending_warning = self._pending_warning, None
-            warnings.warn(message, AutoflatRecompileWarning, stacklevel=2)
         call = stats.calls
         if donate:
             for h in donated:
@@ -662,6 +663,11 @@ class Step:
                 handles[k] = obj
         elif replay is not None and self._nnx_cache is None:
             self._replay = replay
+        if self._pending_warning is not None:
+            # Last, once the state is safe: the warning may be an error under the caller's
+            # filters, and by now the donated handles are marked and write-backs are done.
+            message, self._pending_warning = self._pending_warning, None
+            warnings.warn(message, AutoflatRecompileWarning, stacklevel=2)
         return _result(program, handles, outputs)
 
     def _replay_for(
@@ -682,6 +688,7 @@ class Step:
         ):
             # Broadcast arguments only if immutable (their leaves are cached), static ones only
             # if an identical object can never hash differently.
+            self._replay_kept = None
             return None
         kept = self._replay_kept
         if kept is not None and kept.spec is spec and all(args[i] is o for i, o in kept.fixed):
@@ -696,7 +703,7 @@ class Step:
         Every check is by identity, so a miss costs nothing but the checks: the generic path
         then handles the call as always."""
         __tracebackhide__ = True
-        if len(args) != self._n_params or not self.lazy:
+        if len(args) != self._n_params or not self.lazy or not self._use_replay:
             return _MISS
         handles = []
         leaves = []
@@ -733,15 +740,16 @@ class Step:
         except Exception as e:
             self._rewrite_traceback(e, spec.program)
             raise
-        if self._pending_warning is not None:
-            message, self._pending_warning = self._pending_warning, None
-            warnings.warn(message, AutoflatRecompileWarning, stacklevel=3)
         if self.donate:
             call = stats.calls
             for h in handles:
                 _set_consumed_by(h, call)
         program = spec.program
-        return _result(program, self._handles(program, state_out, spec), outputs)
+        result = _result(program, self._handles(program, state_out, spec), outputs)
+        if self._pending_warning is not None:
+            message, self._pending_warning = self._pending_warning, None
+            warnings.warn(message, AutoflatRecompileWarning, stacklevel=3)
+        return result
 
     # --- shared by both paths ---------------------------------------------------------------
     def _handles(

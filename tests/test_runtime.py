@@ -263,7 +263,7 @@ def test_graph_snapshot_sees_every_kind_of_change():
 # --- replays: the last call's handles passed straight back -----------------------------------
 
 
-def test_replay_only_for_the_last_calls_handles():
+def test_replay_for_handles_and_the_general_path_for_keywords_and_rebuilt_dicts():
     acc = autoflat.step(accumulate, num_steps=4)
     s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
     s, _ = acc(s, _ones(4))  # a real dict: the general path
@@ -288,9 +288,11 @@ def test_replay_needs_the_same_static_objects():
     two, three = 2.0, 3.0
     s = step(jnp.zeros(3), jnp.ones(3), two)
     s = step(s, jnp.ones(3), two)
+    s = step(s, jnp.ones(3), float("2.0"))  # equal, another object: the general path
+    assert (step.stats.replays, step.stats.traces) == (1, 1)  # the same compiled entry
     s = step(s, jnp.ones(3), three)
     s = step(s, jnp.ones(3), three)
-    np.testing.assert_allclose(s, np.full(3, 10.0))
+    np.testing.assert_allclose(s, np.full(3, 12.0))
     assert (step.stats.replays, step.stats.traces) == (2, 2)
 
 
@@ -385,3 +387,57 @@ def test_no_replay_when_the_same_handle_is_passed_twice_or_lazy_is_off():
     for _ in range(3):
         s, _ = eager(s, jnp.ones(3))
     assert type(s) is dict and eager.stats.replays == 0 and int(s["n"]) == 3
+
+
+def test_replay_with_older_handles_and_after_clearing_or_switching_off():
+    step = autoflat.step(accumulate, num_steps=2, donate=False)
+    s0 = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s1, _ = step(s0, _ones(2))
+    s2, _ = step(s1, _ones(2))
+    s3, _ = step(s1, _ones(2))  # an older handle, not donated: same values as s2
+    assert step.stats.replays == 2
+    # (jax.tree.leaves reads a handle without rebuilding it: a rebuilt dict is never replayed)
+    for a, b in zip(jax.tree.leaves(s2), jax.tree.leaves(s3), strict=True):
+        np.testing.assert_array_equal(a, b)
+    step.clear_cache()
+    s4, _ = step(s3, _ones(2))
+    assert step.stats.replays == 2
+    s5, _ = step(s4, _ones(2))
+    assert step.stats.replays == 3
+    step._use_replay = False  # what benchmarks/bench_replay.py compares against
+    s6, _ = step(s5, _ones(2))
+    assert step.stats.replays == 3 and int(s6["n"]) == 10
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_recompile_warning_raised_as_an_error_loses_no_caller_state(replay):
+    def add_x(state, x):
+        state["total"] = state["total"] + jnp.sum(x)  # mutation style: written back
+
+    def total(state, x):
+        state = state + jnp.sum(x)
+        return state
+
+    step = autoflat.step(total)
+    step._use_replay = replay
+    s = step(jnp.float32(0.0), jnp.ones(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoflat.AutoflatRecompileWarning)
+        with pytest.raises(autoflat.AutoflatRecompileWarning):
+            for n in range(2, autoflat._runtime.RECOMPILE_WARN_AFTER + 2):
+                old = s
+                s = step(s, jnp.ones(n))
+    # The call that warned donated `old`: it says so, rather than failing inside JAX.
+    with pytest.raises(autoflat.AutoflatError, match="consumed"):
+        float(old)
+
+    writer = autoflat.step(add_x)
+    state = {"total": jnp.zeros(())}
+    writer(state, jnp.ones(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoflat.AutoflatRecompileWarning)
+        with pytest.raises(autoflat.AutoflatRecompileWarning):
+            for n in range(2, autoflat._runtime.RECOMPILE_WARN_AFTER + 2):
+                writer(state, jnp.ones(n))
+    # Written back before the warning: every call, the failing one too, is in the total.
+    assert float(state["total"]) == sum(range(1, autoflat._runtime.RECOMPILE_WARN_AFTER + 1))
