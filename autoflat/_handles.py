@@ -266,19 +266,9 @@ class _Unbuilt:
 
 _UNBUILT = _Unbuilt()
 
+# The setters of the slots, in their order in `LazyHandle.__slots__` (see `new_handle`).
 _slot_setters = tuple(
-    getattr(LazyHandle, name).__set__
-    for name in (
-        "_af_structure",
-        "_af_arrays",
-        "_af_placement",
-        "_af_obj",
-        "_af_origin",
-        "_af_param",
-        "_af_consumed_by",
-        "_af_layout",
-        "_af_unpacked",
-    )
+    getattr(LazyHandle, name).__set__ for name in LazyHandle.__slots__ if name != "__weakref__"
 )
 
 

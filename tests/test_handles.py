@@ -172,3 +172,13 @@ def test_array_state_handle_supports_operators():
     assert float(t) == 3.0 and int(t) == 3 and float(t + 1) == 4.0 and float(2 * t) == 6.0
     assert np.asarray(t).shape == () and float(jnp.add(t, 1.0)) == 4.0
     assert f"{t:.1f}" == "3.0"
+
+
+def test_new_handle_fills_every_slot_as_the_constructor_does():
+    from autoflat._handles import LazyHandle, Origin, new_handle
+
+    args = (object(), [jnp.ones(2)], None, Origin("f", "here", None), "state", None)
+    a, b = LazyHandle(*args), new_handle(*args)
+    for name in LazyHandle.__slots__:
+        if name != "__weakref__":
+            assert object.__getattribute__(a, name) is object.__getattribute__(b, name), name
