@@ -410,7 +410,6 @@ class Step:
         # The last call's reusable parts, when the next call may skip the generic path (see
         # `Replay`); `_use_replay = False` switches the replay path off (for benchmarks).
         self._replay: Replay | None = None
-        self._replay_kept: Replay | None = None
         self._use_replay = True
         # Flax NNX objects passed again and again (mutation style): see `_nnx`.
         self._nnx_cache: NnxCache | None = None
@@ -495,7 +494,6 @@ class Step:
             result = self._call_replay(replay, args)
             if result is not _MISS:
                 return result
-        self._replay = None
         stats = self.stats
         stats.calls += 1
         if kwargs or len(args) != self._n_params:
@@ -661,8 +659,8 @@ class Step:
                 obj = LazyHandle._af_get(h)
                 last[k] = (obj, h)
                 handles[k] = obj
-        elif replay is not None and self._nnx_cache is None:
-            self._replay = replay
+        # The next call may take the replay path, unless this one left the NNX cache to it.
+        self._replay = replay if self._nnx_cache is None else None
         if self._pending_warning is not None:
             # Last, once the state is safe: the warning may be an error under the caller's
             # filters, and by now the donated handles are marked and write-backs are done.
@@ -688,13 +686,11 @@ class Step:
         ):
             # Broadcast arguments only if immutable (their leaves are cached), static ones only
             # if an identical object can never hash differently.
-            self._replay_kept = None
             return None
-        kept = self._replay_kept
-        if kept is not None and kept.spec is spec and all(args[i] is o for i, o in kept.fixed):
-            return kept
-        kept = self._replay_kept = Replay(spec, args, tuple(bcast_leaves))
-        return kept
+        last = self._replay
+        if last is not None and last.spec is spec and all(args[i] is o for i, o in last.fixed):
+            return last
+        return Replay(spec, args, tuple(bcast_leaves))
 
     # --- the replay path --------------------------------------------------------------------
     def _call_replay(self, replay: Replay, args: tuple[Any, ...]) -> Any:
@@ -978,7 +974,7 @@ class Step:
 
     def clear_cache(self) -> None:
         self._specs.clear()
-        self._replay = self._replay_kept = None
+        self._replay = None
         self._bcast_last.clear()
         self._nnx_cache = None
         self._last.clear()
