@@ -1,27 +1,96 @@
-"""The one error family of autoflat, and the long messages it raises with.
+"""The one error family of autoflat, the long messages it raises with, and how they are made.
 
-Every message names the user's function, file and line, says what is wrong, and shows code
-that works. Long messages live here as module-level templates so they can be read (and tested)
-in one place.
+Every message names the user's function (by its `__qualname__`, the rule everywhere) and its
+file and line, says what is wrong, and shows code that works. The messages live here as
+module-level templates so they can be read (and tested) in one place; `error()` fills one in
+with the function's name and location and returns the exception of the right kind.
+
+The kinds are `AutoflatError` subclasses that are also the standard exception a caller would
+catch for that mistake, as `jax.jit` raises them: arguments that do not fit the signature are a
+`TypeError`, a value of the wrong shape or an option out of range a `ValueError`.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
 
 
 class AutoflatError(Exception):
     """Raised for anything autoflat cannot do with the function or values it was given.
 
     The caller's model and optimizer state are never consumed when this is raised: they can be
-    passed again, to the fixed step or to `jax.jit`.
+    passed again, to the fixed step or to `jax.jit`. Catch a subclass to tell the kinds apart.
     """
 
 
-AutoflatError.__module__ = "autoflat"
+class SourceError(AutoflatError):
+    """The step's source cannot be read or transformed (a lambda, `yield`, returns that
+    disagree, a file edited since import)."""
+
+
+class OptionError(AutoflatError, ValueError):
+    """`autoflat.step(...)` was given an option that does not fit the function."""
+
+
+class CallError(AutoflatError, TypeError):
+    """A call's arguments do not fit the step: they do not bind to its signature, or a static
+    argument cannot be hashed; or an autoflat function was given something not a step."""
+
+
+class ShapeError(AutoflatError, ValueError):
+    """Per-step inputs or state have shapes a k-step call cannot run (a missing or wrong
+    leading axis, state that changes its structure within one call)."""
+
+
+class StateError(AutoflatError, ValueError):
+    """State that cannot be carried or written back as the step asks (an immutable value the
+    step mutates, a Flax NNX Variable reachable twice)."""
+
+
+class ConsumedError(AutoflatError, RuntimeError):
+    """A handle whose buffers were donated to a later call was used (as JAX raises a
+    `RuntimeError` for a deleted array)."""
+
+
+for _cls in (
+    AutoflatError,
+    SourceError,
+    OptionError,
+    CallError,
+    ShapeError,
+    StateError,
+    ConsumedError,
+):
+    _cls.__module__ = "autoflat"
+
+
+class Located(Protocol):
+    """What a message needs of the function it is about: its qualified name and `file:line`.
+    `Analysis` (stage 1) has both; so does everything made from it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
+
+
+class Location(NamedTuple):
+    """A `Located` for messages raised before there is an `Analysis` (the source unread)."""
+
+    name: str
+    where: str
 
 
 def where(filename: str, line: int) -> str:
-    """`file:line` as shown in messages (the file's base name keeps messages short)."""
+    """`file:line` as shown in messages (the full file name, as tracebacks show it)."""
     return f"{filename}:{line}"
+
+
+def error(kind: type[AutoflatError], template: str, fn: Located, **fields: Any) -> AutoflatError:
+    """The exception of `kind` with `template` filled in: `{name}` and `{where}` from `fn`,
+    the rest from `fields`. Use as `raise error(ShapeError, BAD_SCAN_LENGTH, analysis, ...)`."""
+    return kind(template.format(name=fn.name, where=fn.where, **fields))
 
 
 NO_SOURCE = """\
@@ -155,3 +224,26 @@ mode handles shared references, at a higher cost per call.
 """
 
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"
+
+FUNCTOOLS_PARTIAL = """\
+autoflat.step needs a function defined with `def`, not a functools.partial ({name}, {where}): \
+decorate the function itself and pass the bound values as arguments (broadcast= or \
+static_argnames=), or close over them.
+"""
+
+BAD_NAMES = """\
+`autoflat.step(...)` for `{name}` ({where}): {option}= takes a parameter name or a sequence of \
+names, got {value!r}.
+"""
+
+BAD_NUM_STEPS = """\
+`autoflat.step(...)` for `{name}` ({where}): num_steps must be an int >= 1, got {value!r}.
+"""
+
+BAD_PACK = """\
+`autoflat.step(...)` for `{name}` ({where}): pack must be False, True or "auto", got {value!r}.
+"""
+
+NOT_A_STEP = """\
+autoflat.{api} expected a function decorated with @autoflat.step, got {value!r}.
+"""
