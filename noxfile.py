@@ -47,7 +47,7 @@ def tests(session: nox.Session) -> None:
 def tests_pack(session: nox.Session, pack: str) -> None:
     """The test suite with packed transport (`pack=True` or `"auto"`) as the default."""
     session.install("-e", ".[tests]")
-    session.env["AUTOFLAT_TEST_PACK"] = pack
+    session.env["AUTOFLAT_PACK"] = pack
     session.run("python", "-m", "pytest", "-m", "not slow", "tests", *session.posargs)
 
 

@@ -3,7 +3,7 @@
 `@autoflat.step(num_steps=k)` turns an update function into one whose model and optimizer
 state cross the `jax.jit` boundary as cached structures plus flat leaf lists, runs k steps per
 call in a `lax.scan`, and returns lazy handles that rebuild modules only when used.
-`autoflat.show(fn)` prints the generated code that actually runs.
+`autoflat.show(fn)` returns the generated code that actually runs.
 """
 
 import importlib.metadata
@@ -12,13 +12,22 @@ from ._api import clear_caches as clear_caches
 from ._api import show as show
 from ._api import stats as stats
 from ._api import step as step
+from ._diagnostics import AutoflatRecompileWarning as AutoflatRecompileWarning
+from ._diagnostics import Stats as Stats
 from ._errors import AutoflatError as AutoflatError
+from ._errors import CallError as CallError
+from ._errors import ConsumedError as ConsumedError
+from ._errors import OptionError as OptionError
+from ._errors import ShapeError as ShapeError
+from ._errors import SourceError as SourceError
+from ._errors import StateError as StateError
 from ._handles import LazyHandle as LazyHandle
 from ._handles import is_handle as is_handle
 from ._handles import unwrap as unwrap
-from ._runtime import AutoflatRecompileWarning as AutoflatRecompileWarning
-from ._runtime import Stats as Stats
-from ._runtime import Step as Step
+from ._stages import Compiled as Compiled
+from ._stages import Lowered as Lowered
+from ._stages import Traced as Traced
+from ._step import Step as Step
 
 
 def _hide_library_frames() -> None:
@@ -43,9 +52,18 @@ except importlib.metadata.PackageNotFoundError:  # pragma: no cover - running fr
 __all__ = [
     "AutoflatError",
     "AutoflatRecompileWarning",
+    "CallError",
+    "Compiled",
+    "ConsumedError",
     "LazyHandle",
+    "Lowered",
+    "OptionError",
+    "ShapeError",
+    "SourceError",
+    "StateError",
     "Stats",
     "Step",
+    "Traced",
     "clear_caches",
     "is_handle",
     "show",

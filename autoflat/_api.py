@@ -1,14 +1,15 @@
-"""The public API: `step`, `show`, `stats`, `clear_caches`."""
+"""The public functions: the `step` decorator, `show`, `stats`, `clear_caches`."""
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
-from . import _loading, _runtime
-from ._errors import AutoflatError
-from ._runtime import Stats, Step
+from . import _caches
+from ._diagnostics import Stats
+from ._errors import NOT_A_STEP, CallError
+from ._step import GeneratedSource, Step
 from ._transport import PackMode
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -22,24 +23,6 @@ class _Sentinel:
 _sentinel: Any = _Sentinel()
 
 
-def _names(value: str | Iterable[str] | None, option: str) -> frozenset[str]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, str):
-        return frozenset({value})
-    try:
-        names = frozenset(value)
-    except TypeError:
-        raise AutoflatError(
-            f"autoflat.step: {option}= takes a parameter name or a sequence of names, got "
-            f"{value!r}."
-        ) from None
-    for n in names:
-        if not isinstance(n, str):
-            raise AutoflatError(f"autoflat.step: {option}= takes parameter names, got {n!r}.")
-    return names
-
-
 @overload
 def step(
     fn: _F,
@@ -51,7 +34,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
-    pack: bool | str = False,
+    pack: PackMode | None = None,
 ) -> Step: ...
 
 
@@ -65,7 +48,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
-    pack: bool | str = False,
+    pack: PackMode | None = None,
 ) -> Callable[[Callable[..., Any]], Step]: ...
 
 
@@ -79,7 +62,7 @@ def step(
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
-    pack: bool | str = False,
+    pack: PackMode | None = None,
 ) -> Any:
     """Compile a training step so that state crosses `jax.jit` as flat leaves, k steps a call.
 
@@ -110,13 +93,14 @@ def step(
       with other trees in multi-tree pytree operations (`jax.tree.map(f, a, b)`,
       `optax.apply_updates`, `eqx.partition`), which cannot accept a handle in place of the
       real type.
-    - `pack`: how state leaves travel across `jax.jit`. `False`: one buffer per array leaf.
-      `True`: every array leaf that is not sharded over several devices (and not a PRNG key)
-      is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at most
-      512 elements are packed; larger ones (weights) keep their own buffers. Fewer buffers
-      means less host time per call; packing costs device copies in and out of the buffers,
-      and a longer first compile (each packed leaf gets kernels of its own, where XLA would
-      compile the kernels of same-shaped flat leaves once). See docs/performance.md.
+    - `pack`: how state leaves travel across `jax.jit`. `False` (the default): one buffer per
+      array leaf. `True`: every array leaf that is not sharded over several devices (and not a
+      PRNG key) is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at
+      most 512 elements are packed; larger ones (weights) keep their own buffers. Fewer
+      buffers means less host time per call; packing costs device copies in and out of the
+      buffers, and a longer first compile (each packed leaf gets kernels of its own, where XLA
+      would compile the kernels of same-shaped flat leaves once). See docs/performance.md.
+      The environment variable `AUTOFLAT_PACK` (`off`, `on` or `auto`) sets the default.
 
     **Returns:**
 
@@ -124,7 +108,8 @@ def step(
 
     **Raises:**
 
-    `AutoflatError` if the function's source cannot be read or transformed.
+    `autoflat.SourceError` if the function's source cannot be read or transformed,
+    `autoflat.OptionError` (a `ValueError`) for options that do not fit the function.
 
     ```python
     >>> import autoflat, jax.numpy as jnp
@@ -138,65 +123,65 @@ def step(
 
     ```
     """
-    make = functools.partial(
-        Step,
-        num_steps=num_steps,
-        state=_names(state, "state"),
-        broadcast=_names(broadcast, "broadcast"),
-        static_argnames=_names(static_argnames, "static_argnames"),
-        donate=bool(donate),
-        unroll=unroll,
-        lazy=bool(lazy),
-        pack=_pack_mode(pack),
-    )
+
+    def make(fn: Callable[..., Any]) -> Step:
+        return Step(
+            fn,
+            num_steps=num_steps,
+            state=state,
+            broadcast=broadcast,
+            static_argnames=static_argnames,
+            donate=donate,
+            unroll=unroll,
+            lazy=lazy,
+            pack=default_pack() if pack is None else pack,
+        )
+
     if fn is _sentinel:
         return make
     return make(fn)
 
 
-def _pack_mode(pack: Any) -> PackMode:
-    if pack is False or pack is True or pack == "auto":
-        return pack  # type: ignore[no-any-return]
-    raise AutoflatError(f'autoflat.step: pack must be False, True or "auto", got {pack!r}.')
+def default_pack() -> Any:
+    """`pack=` when the decorator does not say: from `AUTOFLAT_PACK`, else False."""
+    mode = os.environ.get("AUTOFLAT_PACK", "off")
+    try:
+        return {"off": False, "on": True, "auto": "auto"}[mode]
+    except KeyError:
+        raise ValueError(f"AUTOFLAT_PACK must be off, on or auto, got {mode!r}") from None
 
 
-def _as_step(fn: Any) -> Step:
+def _as_step(fn: Any, api: str) -> Step:
     if isinstance(fn, Step):
         return fn
-    raise AutoflatError(f"expected a function decorated with @autoflat.step, got {fn!r}.")
+    raise CallError(NOT_A_STEP.format(api=api, value=fn))
 
 
-def show(fn: Step, *, print_: bool = True) -> str:
+def show(fn: Step) -> GeneratedSource:
     """The generated Python that runs for a decorated step: exactly the compiled text.
 
     **Arguments:**
 
     - `fn`: a function decorated with `autoflat.step`.
-    - `print_`: also print it (default True).
 
     **Returns:**
 
-    The generated source. Roles are inferred from the source when the step is decorated and
-    completed with run-time types at its first call (a Flax NNX module argument becomes state):
-    before the first call this shows the roles from the source alone; after it, the most
-    recently generated version.
+    The generated source, a `str` (which a REPL shows as the code; `print` it in a script).
+    Roles are inferred from the source when the step is decorated and completed with run-time
+    types at its first call (a Flax NNX module argument becomes state): before the first call
+    this shows the roles from the source alone; after it, the most recently generated version.
 
     ```python
     >>> import autoflat
     >>> @autoflat.step
     ... def inc(x):
     ...     return x + 1
-    >>> print(autoflat.show(inc, print_=False).splitlines()[0])
+    >>> print(autoflat.show(inc).splitlines()[0])
     # autoflat: generated from `inc` at <doctest autoflat._api.show[1]>:2
 
     ```
     """
-    s = _as_step(fn)
-    programs = s.programs
-    source = programs[-1].generated.source
-    if print_:
-        print(source)
-    return source
+    return _as_step(fn, "show").source
 
 
 def stats(fn: Step) -> Stats:
@@ -211,7 +196,7 @@ def stats(fn: Step) -> Stats:
 
     A `Stats` value (a copy: it does not change as the step runs).
     """
-    return _as_step(fn).stats.snapshot()
+    return _as_step(fn, "stats").stats.snapshot()
 
 
 def clear_caches() -> None:
@@ -219,5 +204,4 @@ def clear_caches() -> None:
 
     Decorated steps stay usable; they retrace on their next call.
     """
-    _runtime.clear_all()
-    _loading.clear()
+    _caches.clear_all()

@@ -247,3 +247,9 @@ BAD_PACK = """\
 NOT_A_STEP = """\
 autoflat.{api} expected a function decorated with @autoflat.step, got {value!r}.
 """
+
+AOT_MISMATCH = """\
+Calling the compiled `{name}` ({where}) with arguments whose structures, static values, \
+shardings or roles differ from those it was lowered with. Lower it again for these arguments \
+(`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
+"""

@@ -1,4 +1,7 @@
-"""Flax NNX objects as mutation-style state, called again and again.
+"""All of autoflat's Flax NNX code: NNX objects as mutation-style state, called again and again.
+
+Each step has one `NnxState`: it finds the Variables of NNX state arguments (refusing one
+reachable twice), writes a call's new values into them, and keeps the `NnxCache` below.
 
 A Flax NNX train step is called with the same model and optimizer every time, and updates
 them in place. Flattening them costs a Python callback per graph node (about 1 ms for a
@@ -25,6 +28,15 @@ import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import SHARED_VARIABLE, StateError, error
+from ._handles import LazyHandle
+from ._roles import is_mutable_module
+from ._structure import is_array
+from ._writeback import register_holder
 
 # Flax's own bookkeeping attributes: compared by identity, never walked into.
 _INTERNAL_PREFIXES = ("_pytree__", "_object__")
@@ -194,3 +206,137 @@ class NnxCache:
             held = itertools.chain.from_iterable(self.arrays.values())
             ids = self._ids = frozenset(map(id, held))
         return all(id(a) in ids for a in arrays)
+
+
+class NnxState:
+    """One step's Flax NNX bookkeeping (see the module doc). Registered with `_writeback` as a
+    holder of the buffers it wrote, which later calls may donate without a copy."""
+
+    __slots__ = ("cache", "__weakref__")
+
+    def __init__(self) -> None:
+        self.cache: NnxCache | None = None
+        register_holder(self)
+
+    def holds(self, arrays: Iterable[Any]) -> bool:
+        cache = self.cache
+        return cache is not None and cache.holds(arrays)
+
+    def lookup(self, program: Any, args: tuple[Any, ...]) -> NnxCache | None:
+        """The cache, if this call passes its NNX objects again, unchanged."""
+        cache = self.cache
+        if cache is not None and cache.lookup(program, args, LazyHandle):
+            return cache
+        return None
+
+    def write(self, hit: NnxCache | None, variables: list[Any], arrays: list[Any]) -> None:
+        """Set a call's new values into the caller's Variables (what `nnx.update` does, without
+        traversing the graph again)."""
+        if hit is not None and variables:
+            # One Variable through Flax's checked setter (it refuses a write from inside a
+            # transform); the rest like it, directly.
+            set_raw(variables[0], arrays[0])
+            list(map(hit.set_unchecked, variables, arrays))
+        else:
+            for v, arr in zip(variables, arrays, strict=True):
+                set_raw(v, arr)
+
+    def remember(
+        self,
+        program: Any,
+        args: tuple[Any, ...],
+        nnx_vars: dict[int, list[Any]],
+        written: dict[int, list[Any]],
+        structures: list[Any],
+        placements: list[Any],
+        hit: NnxCache | None,
+    ) -> None:
+        """After a call: keep (or refresh) the fast-path cache, or drop it."""
+        if hit is not None:
+            if written.keys() == hit.variables.keys():
+                for k, arrays in written.items():
+                    hit.written(k, arrays)
+            else:
+                self.cache = None
+            return
+        # Cached only when every state argument was either a lazy handle or an NNX object
+        # whose Variables line up with its leaves and were all written back in place.
+        objects = {}
+        for k, i in enumerate(program.state_idx):
+            a = args[i]
+            if type(a) is LazyHandle:
+                continue
+            if k not in written:
+                self.cache = None
+                return
+            objects[k] = a
+        if not objects:
+            self.cache = None
+            return
+        from flax import nnx
+
+        self_ref = weakref.ref(self)
+
+        def lost() -> None:
+            state = self_ref()
+            if state is not None and state.cache is new:
+                state.cache = None
+
+        new = NnxCache(
+            program,
+            program.state_idx,
+            objects,
+            {k: nnx_vars[k] for k in objects},
+            {k: written[k] for k in objects},
+            {k: structures[k] for k in objects},
+            {k: placements[k] for k in objects},
+            lambda x: isinstance(x, nnx.Variable) or is_array(x),
+            lost,
+        )
+        self.cache = new
+
+
+def variables_of(
+    program: Any, args: tuple[Any, ...], leaves: dict[int, list[Any]], analysis: Any
+) -> dict[int, list[Any]]:
+    """The nnx.Variables of each Flax NNX state argument, in leaf order.
+
+    Refuses a Variable reachable twice (a shared submodule, tied weights, or one object passed
+    as two arguments): NNX objects travel as pytrees, which would split it into two copies
+    updated apart. Returns, per state position, the Variables when they line up one to one
+    with that argument's array leaves, for a direct write-back after the call.
+    """
+    from flax import nnx
+
+    def is_variable(x: Any) -> bool:
+        return isinstance(x, nnx.Variable)
+
+    seen: set[int] = set()
+    out: dict[int, list[Any]] = {}
+    for k, i in enumerate(program.state_idx):
+        a = args[i]
+        if type(a) is LazyHandle or k not in leaves or not is_mutable_module(a):
+            continue  # handles are returned state, never written back
+        variables = [v for v in jax.tree_util.tree_leaves(a, is_leaf=is_variable) if is_variable(v)]
+        for v in variables:
+            if id(v) in seen:
+                raise _shared(program, args, v, analysis)
+            seen.add(id(v))
+        arrays = leaves[k]
+        if len(variables) == len(arrays) and all(
+            np.shape(get_raw(v)) == np.shape(x) for v, x in zip(variables, arrays, strict=True)
+        ):
+            out[k] = variables
+    return out
+
+
+def _shared(program: Any, args: tuple[Any, ...], var: Any, analysis: Any) -> Exception:
+    from flax import nnx
+
+    places = []
+    for name, i in zip(program.roles.state, program.state_idx, strict=True):
+        paths, _ = jax.tree_util.tree_flatten_with_path(
+            args[i], is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        places += [f"{name}{jax.tree_util.keystr(p)}" for p, v in paths if v is var]
+    return error(StateError, SHARED_VARIABLE, analysis, first=places[0], second=places[1])

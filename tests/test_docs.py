@@ -83,7 +83,7 @@ def _check_show(block: Block, namespace: dict, path: pathlib.Path) -> None:
         f"{path}:{block.line}: pasted autoflat.show output for `{name}`, but no step of that "
         "name was defined by an earlier block of the page"
     )
-    actual = autoflat.show(fn, print_=False)
+    actual = autoflat.show(fn)
     pasted = _normalize_show(block.code).splitlines()
     assert pasted == _normalize_show(actual).splitlines()[: len(pasted)], (
         f"{path}:{block.line}: the pasted autoflat.show output is out of date; it is now:\n{actual}"

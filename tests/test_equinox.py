@@ -115,7 +115,7 @@ def test_cnn_with_batchnorm_state(k, n):
     )
     (rm, rs, ro), rl = _reference(cnn_update, [model, state, opt_state], xs, n)
     step = autoflat.step(cnn_update, num_steps=k)
-    src = autoflat.show(step, print_=False)
+    src = autoflat.show(step)
     assert "# state: state (returned)" in src and "# x: scanned (per-step input)" in src
     (m, s, o), losses = _run(step, [model, state, opt_state], xs, n, k)
     tree_allclose(m, rm, rtol=1e-4, atol=1e-5)
@@ -204,7 +204,7 @@ def test_partition_and_combine_for_frozen_parts():
         rt, ro, loss = ref(rt, frozen, ro, xs[0][i], xs[1][i])
         rl.append(loss)
     step = autoflat.step(frozen_update, num_steps=3, broadcast="frozen")
-    assert "# frozen: broadcast (broadcast=)" in autoflat.show(step, print_=False)
+    assert "# frozen: broadcast (broadcast=)" in autoflat.show(step)
     t, o = trainable, opt_state
     losses = []
     for start in (0, 3):

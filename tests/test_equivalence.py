@@ -263,7 +263,7 @@ def test_broadcast_argument_same_for_every_step():
         ref_losses.append(loss)
     tree_allclose(p, rp)
     np.testing.assert_allclose(losses, jnp.stack(ref_losses), rtol=1e-5)
-    assert "teacher: broadcast (broadcast=)" in autoflat.show(step, print_=False)
+    assert "teacher: broadcast (broadcast=)" in autoflat.show(step)
 
 
 def test_exception_mid_training_loses_nothing():

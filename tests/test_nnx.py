@@ -80,7 +80,7 @@ def test_mutation_style_train_step_equals_nnx_jit(k, n):
     for key, value in metrics.compute().items():
         np.testing.assert_allclose(value, ref_metrics[key], rtol=1e-5)
     assert int(optimizer.step.value) == n
-    src = autoflat.show(step, print_=False)  # after a call: roles include run-time types
+    src = autoflat.show(step)  # after a call: roles include run-time types
     assert "# model: state (mutable module at run time)" in src
     assert "# metrics: state (mutable module at run time)" in src
     stats = autoflat.stats(step)
@@ -285,3 +285,41 @@ def test_the_fast_path_does_not_keep_dropped_objects_alive():
     gc.collect()
     assert dropped() is None
     assert kernel() is None  # nor the buffers it wrote into them
+
+
+def test_graph_snapshot_sees_every_kind_of_change():
+    from autoflat._nnx import GraphSnapshot
+
+    class Node:
+        def __init__(self):
+            self.child = None
+            self.flag = False
+            self.items = [1, 2]
+            self.table = {"a": (1, [3])}
+            self.tags = {"x"}
+
+    def snapshot(root):
+        return GraphSnapshot([root], lambda x: isinstance(x, (int, str, bool)))
+
+    changes = [
+        lambda n: setattr(n, "flag", True),
+        lambda n: setattr(n, "new", 1),
+        lambda n: delattr(n, "flag"),
+        lambda n: n.items.append(3),
+        lambda n: n.items.__setitem__(0, 5),
+        lambda n: n.table.__setitem__("b", 1),
+        lambda n: n.table["a"][1].append(4),  # a list inside a tuple inside a dict
+        lambda n: n.tags.add("y"),
+        lambda n: setattr(n.child, "flag", True),  # a nested object
+    ]
+    for change in changes:
+        root = Node()
+        root.child = Node()
+        snap = snapshot(root)
+        assert snap.unchanged()
+        change(root)
+        assert not snap.unchanged()
+    root = Node()
+    snap = snapshot(root)
+    root.flag = False  # the same object again: no change
+    assert snap.unchanged()

@@ -148,7 +148,7 @@ def test_tutorial_step_equals_jit_loop(make, k, n):
 
 def test_generated_code_keeps_the_tutorial_body():
     step = autoflat.step(update, num_steps=3)
-    source = autoflat.show(step, print_=False)
+    source = autoflat.show(step)
     assert "# model: state (returned)" in source
     assert "# optimizer: state (returned)" in source
     assert "# inputs: scanned (per-step input)" in source

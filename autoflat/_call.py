@@ -1,0 +1,284 @@
+"""The call path of a decorated step: bind, take in state and broadcast arguments, launch,
+finish. `Step.__call__` is these three calls: `prepare`, `launch`, `finish`.
+
+`prepare` turns the call's arguments into what the compiled program takes, with no effect on
+the caller's objects:
+
+- *bind*: positional and keyword arguments to the parameter order (skipped when a call passes
+  exactly the positional parameters);
+- *state*, per argument, the first that applies: a Flax NNX object unchanged since this step's
+  last call (`_nnx`: no graph traversal); an unconsumed lazy handle (its interned structure and
+  leaf list as they are: no `tree_flatten`); anything else is flattened once and its structure
+  interned, then packed (`_transport`) or, with donation on, copied unless autoflat wrote those
+  very buffers (`_writeback.all_ours`), so the caller's own arrays are never donated;
+- *broadcast*: an unconsumed handle's leaves, the same immutable object as last call by
+  identity, or a flatten;
+- *spec*: the interned `CallSpec` (`_program.SpecCache`).
+
+`launch` runs the compiled program (the step's `jax.jit`, or an ahead-of-time `Compiled`) and
+points errors raised in the user's body at the user's file. `finish` marks donated handles
+consumed, wraps state outputs in new lazy handles without unflattening, writes mutation-style
+state back into the caller's objects, and assembles the result in the user's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+
+from . import _loading, _nnx, _transport, _writeback
+from ._errors import BAD_CALL, CallError, error
+from ._handles import _UNBUILT, LazyHandle, new_handle
+from ._program import CallSpec, Program
+from ._structure import FlatState, Placement, Structure, flatten, placement_of
+from ._transport import Layout
+
+
+class Call:
+    """One call, prepared: what the compiled program takes and what `finish` needs."""
+
+    __slots__ = (
+        "args",
+        "program",
+        "spec",
+        "leaves",
+        "xs",
+        "bcast_leaves",
+        "donated",
+        "nnx_hit",
+        "nnx_vars",
+    )
+
+    args: tuple[Any, ...]  # in parameter order
+    program: Program
+    spec: CallSpec
+    leaves: tuple[list[Any], ...]  # per state argument, the buffers the program takes
+    xs: tuple[Any, ...]  # per-step inputs
+    bcast_leaves: tuple[list[Any], ...]
+    donated: list[LazyHandle]  # handles whose buffers a donating launch consumes
+    nnx_hit: _nnx.NnxCache | None  # the Flax NNX cache, when this call's objects hit it
+    nnx_vars: dict[int, list[Any]]  # per state position, the Flax NNX Variables to write
+
+    def inputs(self) -> tuple[Any, ...]:
+        """The arguments of the compiled program, after the static spec."""
+        return (self.leaves, self.xs, self.bcast_leaves)
+
+
+def bind(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The call's arguments in parameter order, defaults applied."""
+    try:
+        bound = step._signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise error(
+            CallError, BAD_CALL, step._analysis, reason=str(e), signature=str(step._signature)
+        ) from None
+    bound.apply_defaults()
+    return tuple(bound.arguments[p] for p in step._params)
+
+
+def copy_leaves(arrays: list[Any]) -> list[Any]:
+    """Fresh buffers with the same values and placement (so donation never touches the
+    caller's own arrays). Weak types are dropped: a step's outputs are strongly typed, so a
+    weakly typed start (`jnp.full((3,), 1.0)`) would otherwise compile the step twice."""
+    return [jnp.array(a, dtype=a.dtype, copy=True) for a in arrays]
+
+
+def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    """Everything the launch needs, from the call's arguments (see the module doc)."""
+    if kwargs or len(args) != step._n_params:
+        args = bind(step, args, kwargs)
+    program = step._programs.for_args(args, step._may_mutate)
+    call = Call()
+    call.args = args
+    call.program = program
+    structures, leaves, placements, layouts = _take_state(step, call)
+    bcast_structures, call.bcast_leaves = _take_broadcast(step, program, args)
+    for k, i in program.written_back_idx:
+        if type(args[i]) is not LazyHandle:
+            _writeback.check_writable(structures[k].treedef, program.roles.state[k], step._analysis)
+    static = tuple(args[i] for i in program.static_idx)
+    call.spec = step._specs.get(program, structures, placements, layouts, bcast_structures, static)
+    call.leaves = tuple(leaves)
+    call.xs = tuple(args[i] for i in program.scanned_idx)
+    return call
+
+
+def _take_state(
+    step: Any, call: Call
+) -> tuple[list[Structure], list[list[Any]], list[Placement | None], list[Layout | None]]:
+    args, program = call.args, call.program
+    stats = step._diag.stats
+    structures: list[Structure] = []
+    leaves: list[list[Any]] = []
+    placements: list[Placement | None] = []
+    layouts: list[Layout | None] = []
+    unpacked: dict[int, list[Any]] = {}  # the caller's own leaves, for Flax NNX write-back
+    call.donated = []
+    last = step._last
+    hit = call.nnx_hit = step._nnx.lookup(program, args) if step._nnx.cache else None
+    for k, i in enumerate(program.state_idx):
+        a = args[i]
+        if hit is not None and k in hit.variables:
+            # The same Flax NNX object as last call, unchanged: no graph traversal, and its
+            # arrays are the ones we wrote, so they are donated without a copy.
+            arrays, placement = hit.arrays[k], hit.placements[k]
+            layout = _transport.host_layout(arrays, placement, step.pack)
+            if layout is not None:
+                arrays = _transport.pack_on_device(layout, arrays)
+                stats.copies += 1
+            structures.append(hit.structures[k])
+            leaves.append(arrays)
+            placements.append(placement)
+            layouts.append(layout)
+            stats.fast_path += 1
+            continue
+        if last:
+            # lazy=False: the real object we returned last time stands for its handle.
+            pair = last.get(k)
+            if pair is not None and pair[0] is a and pair[1]._af_structure.immutable:
+                a = pair[1]
+        if (
+            type(a) is LazyHandle
+            and not a._af_consumed_by
+            and (a._af_obj is _UNBUILT or a._af_structure.immutable)
+        ):
+            structures.append(a._af_structure)
+            leaves.append(a._af_arrays)
+            placements.append(a._af_placement)
+            layouts.append(a._af_layout)
+            call.donated.append(a)
+            stats.fast_path += 1
+            continue
+        structure, arrays = flatten(LazyHandle._af_get(a) if type(a) is LazyHandle else a)
+        stats.flattens += 1
+        placement = placement_of(arrays)
+        unpacked[k] = arrays
+        layout = _transport.host_layout(arrays, placement, step.pack)
+        if layout is not None:
+            # Packing makes fresh buffers: they may be donated without a copy.
+            arrays = _transport.pack_on_device(layout, arrays)
+            stats.copies += 1
+        elif step.donate and arrays and not _writeback.all_ours(arrays):
+            arrays = copy_leaves(arrays)
+            stats.copies += 1
+        elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
+            # Not copied, but a weakly typed leaf would still compile the step twice (its
+            # output comes back strongly typed): only those leaves are converted.
+            arrays = [copy_leaves([x])[0] if getattr(x, "weak_type", False) else x for x in arrays]
+        structures.append(structure)
+        leaves.append(arrays)
+        placements.append(placement)
+        layouts.append(layout)
+    if hit is not None:
+        call.nnx_vars = hit.variables
+    elif step._may_mutate:
+        call.nnx_vars = _nnx.variables_of(program, args, unpacked, step._analysis)
+    else:
+        call.nnx_vars = {}
+    donated = call.donated
+    if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
+        # The same handle twice: donating its buffers twice would fail. Copy the repeats.
+        seen: set[int] = set()
+        for k, i in enumerate(program.state_idx):
+            a = args[i]
+            if type(a) is LazyHandle and id(a) in seen:
+                leaves[k] = copy_leaves(leaves[k])
+            seen.add(id(a))
+    return structures, leaves, placements, layouts
+
+
+def _take_broadcast(
+    step: Any, program: Program, args: tuple[Any, ...]
+) -> tuple[list[Structure], tuple[list[Any], ...]]:
+    structures = []
+    leaves = []
+    cache = step._bcast_last
+    for k, i in enumerate(program.bcast_idx):
+        a = args[i]
+        if type(a) is LazyHandle and not a._af_consumed_by:
+            s, arrays = LazyHandle._af_leaves(a)
+        else:
+            cached = cache.get(k)
+            if cached is not None and cached[0] is a:
+                # The same immutable object as last call (a frozen model): no flatten.
+                s, arrays = cached[1], cached[2]
+            else:
+                s, arrays = flatten(a)
+                step._diag.stats.flattens += 1
+                if s.immutable:
+                    cache[k] = (a, s, arrays)
+        structures.append(s)
+        leaves.append(arrays)
+    return structures, tuple(leaves)
+
+
+def launch(step: Any, run: Callable[..., Any], call: Call, *static: Any) -> Any:
+    """Run the compiled program on a prepared call: `run(*static, *call.inputs())`."""
+    __tracebackhide__ = True
+    try:
+        return run(*static, *call.inputs())
+    except Exception as e:
+        program = call.program
+        _loading.rewrite_traceback(
+            e,
+            program.generated,
+            program.filename,
+            step._analysis.filename,
+            step._analysis.funcdef.name.value,
+            step._analysis.name,
+        )
+        raise
+
+
+def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any) -> Any:
+    """After the launch: consume, wrap, write back; the step's result in the user's order."""
+    program, spec, args = call.program, call.spec, call.args
+    if step.donate:
+        for h in call.donated:
+            object.__setattr__(h, "_af_consumed_by", step._diag.stats.calls)
+    handles = new_handles(step, spec, state_out)
+    nnx_vars, hit = call.nnx_vars, call.nnx_hit
+    written: dict[int, list[Any]] = {}
+    for k, i in program.written_back_idx:
+        variables = nnx_vars.get(k)
+        if variables is not None and state_out[k].structure is spec.structures[k]:
+            new_arrays = LazyHandle._af_leaf_arrays(handles[k])
+            step._nnx.write(hit, variables, new_arrays)
+            written[k] = new_arrays
+            if hit is not None:
+                continue  # the NNX cache records them as ours
+        else:
+            _writeback.write_back(args[i], handles[k], program.roles.state[k], step._analysis)
+        if type(args[i]) is not LazyHandle:
+            # The caller's object now holds buffers this call produced: a later call (of this
+            # step or another) may donate them without a copy while they are still these.
+            _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]))
+    if hit is not None or nnx_vars:
+        step._nnx.remember(
+            program, args, nnx_vars, written, list(spec.structures), list(spec.placements), hit
+        )
+    if not step.lazy:
+        last = step._last
+        last.clear()
+        for k, h in enumerate(handles):
+            obj = LazyHandle._af_get(h)
+            last[k] = (obj, h)
+            handles[k] = obj
+    return program.result(handles, outputs)
+
+
+def new_handles(step: Any, spec: CallSpec, state_out: tuple[FlatState, ...]) -> list[Any]:
+    """New lazy handles over a call's state outputs."""
+    origin = step._origin
+    names = spec.program.roles.state
+    handles = []
+    for k, flat in enumerate(state_out):
+        placement = spec.placements[k]
+        if placement is not None and flat.structure is not spec.structures[k]:
+            placement = placement_of(flat.arrays)
+        handles.append(
+            new_handle(flat.structure, flat.arrays, placement, origin, names[k], flat.layout)
+        )
+    return handles

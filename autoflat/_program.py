@@ -1,0 +1,291 @@
+"""Programs, call specs, the spec cache, and the traced entry that `jax.jit` compiles.
+
+A `Program` is one generated, loaded function for one set of roles (`Programs` keeps a step's
+programs: the one from the source and options, and one per set of Flax NNX modules that a
+call passes as per-step inputs). A `CallSpec` is everything static about a call: the program,
+the structures, placements and layouts of the state, the broadcast structures, the static
+arguments. It is interned by `SpecCache` and is the static argument of the step's single
+`jax.jit` of `entry`, so JAX's own cache gives one compile per distinct (spec, input shapes).
+
+`entry` is what is traced: it unpacks the state, runs the generated function, pins each
+state output to its input's sharding, strips weak types (so the next call does not compile
+again), and packs the state again when the transport packs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _loading, _transport
+from ._analysis import Analysis
+from ._codegen import GeneratedCode, generate
+from ._errors import UNHASHABLE_STATIC, CallError, error
+from ._roles import Options, Roles, assign_roles, is_mutable_module
+from ._structure import FlatState, Placement, Structure
+from ._tracing import HELPERS
+from ._transport import Layout, PackMode
+
+
+class Program:
+    """One generated, loaded function for one set of roles, and where each role's arguments
+    are in the parameter list."""
+
+    __slots__ = (
+        "roles",
+        "generated",
+        "fn",
+        "filename",
+        "state_idx",
+        "scanned_idx",
+        "bcast_idx",
+        "static_idx",
+        "written_back_idx",
+    )
+
+    def __init__(
+        self, roles: Roles, generated: GeneratedCode, fn: Callable[..., Any], filename: str
+    ):
+        self.roles = roles
+        self.generated = generated
+        self.fn = fn
+        self.filename = filename
+        idx = {p: i for i, p in enumerate(roles.params)}
+        self.state_idx = tuple(idx[p] for p in roles.state)
+        self.scanned_idx = tuple(idx[p] for p in roles.of("scanned"))
+        self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
+        self.static_idx = tuple(idx[p] for p in roles.of("static"))
+        # (state position, parameter index) of state written back into the caller's object.
+        self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)
+
+    def result(self, handles: list[Any], outputs: Any) -> Any:
+        """What the step returns: its state (as handles) and outputs, in the user's order."""
+        shape = self.roles.layout.kind
+        if shape == "none":
+            return None
+        items = [
+            handles[j] if kind == "state" else outputs[j] for kind, j in self.roles.layout.entries
+        ]
+        return items[0] if shape == "single" else tuple(items)
+
+
+class Programs:
+    """The programs of one step, generated on first use and kept for its lifetime."""
+
+    def __init__(
+        self, analysis: Analysis, options: Options, user_fn: Callable[..., Any], num_steps: int
+    ) -> None:
+        self._analysis = analysis
+        self._options = options
+        self._user_fn = user_fn
+        self._num_steps = num_steps
+        self._by_roles: dict[Roles, Program] = {}
+        self._by_mutable: dict[frozenset[str], Program] = {}
+        # Roles from the source and options alone; made now so bad returns fail at decoration.
+        self.base = self._get(assign_roles(analysis, options))
+
+    def _get(self, roles: Roles) -> Program:
+        program = self._by_roles.get(roles)
+        if program is None:
+            index = len(self._by_roles)
+            analysis = self._analysis
+            generated = generate(
+                analysis,
+                roles,
+                self._num_steps,
+                self._user_fn.__globals__,  # type: ignore[attr-defined]
+                self._user_fn.__code__.co_freevars,  # type: ignore[attr-defined]
+                index,
+            )
+            filename = _loading.filename_for(
+                analysis.funcdef.name.value, index, analysis.filename, analysis.def_line
+            )
+            fn = _loading.load(generated, self._user_fn, HELPERS, filename)
+            program = self._by_roles[roles] = Program(roles, generated, fn, filename)
+        return program
+
+    def for_args(self, args: tuple[Any, ...], may_mutate: bool) -> Program:
+        """The program for a call: a Flax NNX module passed as a per-step input is state."""
+        base = self.base
+        if not may_mutate:
+            return base
+        params = base.roles.params
+        mutable = frozenset(params[i] for i in base.scanned_idx if is_mutable_module(args[i]))
+        if not mutable:
+            return base
+        program = self._by_mutable.get(mutable)
+        if program is None:
+            roles = assign_roles(self._analysis, self._options, mutable)
+            program = self._by_mutable[mutable] = self._get(roles)
+        return program
+
+    def all(self) -> list[Program]:
+        return list(self._by_roles.values())
+
+
+class CallSpec:
+    """Everything static about one call; interned by `SpecCache`, compared by identity."""
+
+    __slots__ = (
+        "program",
+        "structures",
+        "placements",
+        "layouts",
+        "bcast_structures",
+        "static",
+        "num_steps",
+        "unroll",
+        "pack",
+        "fn",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        program: Program,
+        structures: tuple[Structure, ...],
+        placements: tuple[Placement | None, ...],
+        layouts: tuple[Layout | None, ...],
+        bcast_structures: tuple[Structure, ...],
+        static: dict[str, Any],
+        num_steps: int,
+        unroll: int | bool,
+        pack: PackMode,
+        fn: Analysis,
+    ) -> None:
+        self.program = program
+        self.structures = structures
+        self.placements = placements
+        self.layouts = layouts
+        self.bcast_structures = bcast_structures
+        self.static = static
+        self.num_steps = num_steps
+        self.unroll = unroll
+        self.pack = pack
+        self.fn = fn  # the step's source analysis: its name and location for messages
+
+    def __repr__(self) -> str:
+        return f"CallSpec({self.fn.name}, static={self.static})"
+
+
+class SpecCache:
+    """A step's interned `CallSpec`s, keyed by their parts (structures are interned, so the
+    key compares by identity except for static arguments, which compare by value)."""
+
+    def __init__(
+        self, analysis: Analysis, num_steps: int, unroll: int | bool, pack: PackMode
+    ) -> None:
+        self._analysis = analysis
+        self._num_steps = num_steps
+        self._unroll = unroll
+        self._pack = pack
+        self._specs: dict[Any, CallSpec] = {}
+
+    def get(
+        self,
+        program: Program,
+        structures: list[Structure],
+        placements: list[Placement | None],
+        layouts: list[Layout | None],
+        bcast_structures: list[Structure],
+        static: tuple[Any, ...],
+    ) -> CallSpec:
+        key = (program, *structures, *placements, *layouts, *bcast_structures, *static)
+        try:
+            spec = self._specs.get(key)
+        except TypeError:
+            raise self._unhashable(program, static) from None
+        if spec is None:
+            spec = self._specs[key] = CallSpec(
+                program,
+                tuple(structures),
+                tuple(placements),
+                tuple(layouts),
+                tuple(bcast_structures),
+                dict(zip(program.roles.of("static"), static, strict=True)),
+                self._num_steps,
+                self._unroll,
+                self._pack,
+                self._analysis,
+            )
+        return spec
+
+    def _unhashable(self, program: Program, static: tuple[Any, ...]) -> Exception:
+        for p, v in zip(program.roles.of("static"), static, strict=True):
+            try:
+                hash(v)
+            except TypeError:
+                return error(
+                    CallError, UNHASHABLE_STATIC, self._analysis, param=p, type=type(v).__name__
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def clear(self) -> None:
+        self._specs.clear()
+
+
+def entry(
+    note_trace: Callable[[CallSpec, Any], None] | None,
+    spec: CallSpec,
+    state_leaves: tuple[list[Any], ...],
+    xs: tuple[Any, ...],
+    bcast_leaves: tuple[list[Any], ...],
+    *,
+    repack: bool = True,
+) -> Any:
+    """The traced function: leaves in, leaves and stacked outputs out (see the module doc).
+
+    `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static."""
+    if note_trace is not None:
+        note_trace(spec, (state_leaves, xs, bcast_leaves))
+    state = tuple(
+        FlatState(s, a if layout is None else _transport.unpack(layout, a))
+        for s, a, layout in zip(spec.structures, state_leaves, spec.layouts, strict=True)
+    )
+    bcast = tuple(FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True))
+    state_out, outputs = spec.program.fn(spec, state, xs, bcast)
+    return tuple(_leaving(spec, k, flat, repack) for k, flat in enumerate(state_out)), outputs
+
+
+def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState:
+    """State output `k` as it leaves the program: pinned, strongly typed, packed."""
+    placement = spec.placements[k]
+    same = flat.structure is spec.structures[k]
+    arrays = flat.arrays
+    if placement is not None and same:
+        arrays = [
+            a if s is None else jax.lax.with_sharding_constraint(a, s)
+            for a, s in zip(arrays, placement.shardings, strict=True)
+        ]
+    # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
+    # call's input differ from this one's and compile the step again.
+    arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
+    if repack and spec.pack:
+        # Back into buffers of the same layout (a new one if the structure changed).
+        multi = (
+            [s is not None for s in placement.shardings]
+            if placement is not None and same
+            else [False] * len(arrays)
+        )
+        avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in arrays]
+        layout = _transport.layout_for(avals, multi, spec.pack)
+        if layout is not None:
+            return FlatState(flat.structure, _transport.pack(layout, arrays), layout)
+    return FlatState(flat.structure, arrays)
+
+
+def _weak(a: Any) -> bool:
+    return bool(getattr(getattr(a, "aval", None), "weak_type", False))
+
+
+def jitted(note_trace: Callable[[CallSpec, Any], None], donate: bool) -> Any:
+    """A step's `jax.jit` of `entry`: spec static, state leaves donated if `donate`."""
+    return jax.jit(
+        functools.partial(entry, note_trace),
+        static_argnums=0,
+        donate_argnums=(1,) if donate else (),
+    )

@@ -1,0 +1,212 @@
+"""`Step`, the decorated step function: a thin facade over the stages.
+
+A `Step` reads and checks its options once, analyses the function (`_analysis`), makes its
+programs (`_program`), and holds the per-step caches. A call is `_call.prepare` → `_call.launch`
+→ `_call.finish`; `lower`, `trace` and `eval_shape` prepare a call the same way and hand it to
+JAX's ahead-of-time stages instead of running it. `source` is the generated text that
+`autoflat.show` returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+
+from . import _caches, _loading, _structure, _transport, _writeback
+from ._analysis import analyse, unwrap_function
+from ._call import finish, launch, prepare
+from ._diagnostics import Diagnostics, Stats
+from ._errors import BAD_NAMES, BAD_NUM_STEPS, BAD_PACK, OptionError, error
+from ._handles import LazyHandle, Origin
+from ._nnx import NnxState
+from ._program import Program, Programs, SpecCache, entry, jitted
+from ._roles import Options
+from ._stages import Lowered, Traced
+from ._structure import Structure
+from ._transport import PackMode
+
+_all_steps: weakref.WeakSet[Step] = weakref.WeakSet()
+
+
+class GeneratedSource(str):
+    """The generated Python of a step: a `str` that shows as the code in a REPL."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class Step:
+    """A step function transformed by `autoflat.step`. Call it like the original.
+
+    Also offers JAX's ahead-of-time stages for the same arguments: `lower(*args)` (then
+    `.compile()`, `.cost_analysis()`, `.as_text()`), `trace(*args)` and `eval_shape(*args)`.
+    """
+
+    __qualname__: str  # set by functools.update_wrapper, as are __name__, __doc__, __wrapped__
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        num_steps: int = 1,
+        state: str | Iterable[str] | None = None,
+        broadcast: str | Iterable[str] | None = None,
+        static_argnames: str | Iterable[str] | None = None,
+        donate: bool = True,
+        unroll: int | bool = 1,
+        lazy: bool = True,
+        pack: PackMode = False,
+    ) -> None:
+        self._user_fn = unwrap_function(fn)
+        analysis = self._analysis = analyse(fn)
+        state_, broadcast_, static_ = (
+            _names(value, option, analysis)
+            for value, option in (
+                (state, "state"),
+                (broadcast, "broadcast"),
+                (static_argnames, "static_argnames"),
+            )
+        )
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise error(OptionError, BAD_NUM_STEPS, analysis, value=num_steps)
+        if not (pack is False or pack is True or pack == "auto"):
+            raise error(OptionError, BAD_PACK, analysis, value=pack)
+        params = analysis.param_names
+        instance = None
+        if (
+            params
+            and params[0] in ("self", "cls")
+            and params[0] not in state_ | static_ | broadcast_
+        ):
+            # A method: the instance is the same for every step (its arrays, if it is a pytree,
+            # are broadcast; anything else is static).
+            instance = params[0]
+        options = Options(state=state_, broadcast=broadcast_, static=static_, instance=instance)
+        self.num_steps = num_steps
+        self.donate = bool(donate)
+        self.unroll = unroll
+        self.lazy = bool(lazy)
+        self.pack: PackMode = pack
+        self._signature = inspect.signature(self._user_fn)
+        self._params = params
+        self._n_params = len(params)
+        self._diag = Diagnostics(analysis.name, analysis.where)
+        self._origin = Origin(analysis.name, analysis.where, self._diag.stats)
+        # Checks the options against the source and makes the program from the source alone,
+        # so bad options and returns fail at decoration.
+        self._programs = Programs(analysis, options, self._user_fn, num_steps)
+        self._specs = SpecCache(analysis, num_steps, unroll, pack)
+        # Identity caches (docs/how-it-works.md lists them with what invalidates each):
+        # lazy=False: per state position, the last (object, handle) this step returned.
+        self._last: dict[int, tuple[Any, LazyHandle]] = {}
+        # Broadcast arguments: per position, (object, structure, arrays) of an immutable one.
+        self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
+        # Flax NNX objects passed again and again (mutation style).
+        self._nnx = NnxState()
+        self._jit = jitted(self._diag.note_trace, self.donate)
+        functools.update_wrapper(self, fn)
+        _all_steps.add(self)
+
+    @property
+    def stats(self) -> Stats:
+        """The step's live counters (`autoflat.stats(fn)` gives a snapshot)."""
+        return self._diag.stats
+
+    @property
+    def _may_mutate(self) -> bool:
+        return "flax.nnx" in sys.modules
+
+    @property
+    def programs(self) -> list[Program]:
+        return self._programs.all()
+
+    @property
+    def source(self) -> GeneratedSource:
+        """The generated Python that runs: before the first call, from the source's roles;
+        after it, the most recently generated program (run-time types may add state)."""
+        return GeneratedSource(self._programs.all()[-1].generated.source)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        self._diag.stats.calls += 1
+        call = prepare(self, args, kwargs)
+        state_out, outputs = launch(self, self._jit, call, call.spec)
+        result = finish(self, call, state_out, outputs)
+        # Last, once the state is safe: the warning may be an error under the caller's filters.
+        self._diag.warn_if_pending(stacklevel=2)
+        return result
+
+    # --- JAX's ahead-of-time stages ---------------------------------------------------------
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and lower the step for these arguments without running it (as
+        `jax.jit(f).lower`): `.compile()` gives a callable `Compiled` with `cost_analysis()`
+        and `memory_analysis()`. Nothing is donated or written back."""
+        call = prepare(self, args, kwargs)
+        return Lowered(self, call, self._jit.lower(call.spec, *call.inputs()))
+
+    def trace(self, *args: Any, **kwargs: Any) -> Traced:
+        """Trace the step for these arguments (as `jax.jit(f).trace`): `.jaxpr`, `.lower()`."""
+        call = prepare(self, args, kwargs)
+        return Traced(self, call, self._jit.trace(call.spec, *call.inputs()))
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The step's result for these arguments as `jax.ShapeDtypeStruct`s, in the shape the
+        step returns (state as its real objects), computed without compiling or running."""
+        call = prepare(self, args, kwargs)
+        fn = functools.partial(entry, None, call.spec, repack=False)
+        state_out, outputs = jax.eval_shape(fn, *call.inputs())
+        state = [flat.structure.unflatten(flat.arrays) for flat in state_out]
+        return call.program.result(state, outputs)
+
+    # --- conveniences -----------------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Forget this step's compiled programs, specs and identity caches."""
+        self._specs.clear()
+        self._bcast_last.clear()
+        self._nnx.cache = None
+        self._last.clear()
+        self._diag.forget_traces()
+        self._jit = jitted(self._diag.note_trace, self.donate)
+
+    def __repr__(self) -> str:
+        return f"<autoflat.step {self.__qualname__} num_steps={self.num_steps}>"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+
+def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset({value})
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise error(OptionError, BAD_NAMES, analysis, option=option, value=value) from None
+    for n in names:
+        if not isinstance(n, str):
+            raise error(OptionError, BAD_NAMES, analysis, option=option, value=value)
+    return names
+
+
+@_caches.register
+def _clear_steps() -> None:
+    for step in list(_all_steps):
+        step.clear_cache()
+
+
+_caches.register(_structure.clear)
+_caches.register(_transport.clear)
+_caches.register(_loading.clear)
+_caches.register(_writeback.clear)

@@ -1,0 +1,91 @@
+"""The helpers that generated code calls, inside the trace: `HELPERS`.
+
+Generated code (see `autoflat.show`) calls them by the names in `HELPERS`: `unflatten` turns a
+state argument's leaves back into the user's object, `flatten` turns the state a step returns
+into leaves of the structure it came in with (or raises, naming what changed), and `scan`
+runs the steps of one call as a `lax.scan`, checking the leading axis of per-step inputs and
+that the state keeps its shapes and dtypes from step to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _structure
+from ._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
+from ._handles import LazyHandle
+from ._structure import FlatState, flatten
+
+
+def _unflatten(flat: FlatState) -> Any:
+    return flat.structure.unflatten(flat.arrays)
+
+
+def _flatten(spec: Any, index: int, value: Any) -> FlatState:
+    if type(value) is LazyHandle:
+        value = LazyHandle._af_get(value)
+    structure, arrays = flatten(value)
+    expected = spec.structures[index]
+    if structure is not expected and structure.key == expected.key:
+        structure = expected  # equal, though interned apart (after `autoflat.clear_caches()`)
+    if spec.num_steps > 1 and structure is not expected:
+        _changed(spec, index, expected, None, structure, arrays)
+    return FlatState(structure, arrays)
+
+
+def _scan(
+    step: Callable[..., Any], spec: Any, init: tuple[FlatState, ...], xs: tuple[Any, ...]
+) -> Any:
+    lengths = set()
+    for leaf in jax.tree_util.tree_leaves(xs):
+        shape = np.shape(leaf)
+        if not shape:
+            _bad_length(spec, "a per-step input is a scalar, with no leading axis of steps")
+        lengths.add(shape[0])
+    if len(lengths) > 1:
+        _bad_length(spec, f"per-step inputs disagree on their leading axis: {sorted(lengths)}")
+    length = lengths.pop() if lengths else spec.num_steps
+    if length > spec.num_steps:
+        _bad_length(spec, f"per-step inputs have a leading axis of {length}, more than num_steps")
+
+    def checked(carry: Any, x: Any) -> Any:
+        new_carry, ys = step(carry, x)
+        for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
+            for a, b in zip(old.arrays, new.arrays, strict=True):
+                if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)):
+                    _changed(spec, i, old.structure, old.arrays, new.structure, new.arrays)
+        return new_carry, ys
+
+    return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)
+
+
+def _changed(spec: Any, index: int, old: Any, old_arrays: Any, new: Any, new_arrays: Any) -> None:
+    param = spec.program.roles.state[index]
+    raise error(
+        ShapeError,
+        STRUCTURE_CHANGED,
+        spec.fn,
+        param=param,
+        diff=_structure.describe_difference(param, old, old_arrays, new, new_arrays),
+        num_steps=spec.num_steps,
+    )
+
+
+def _bad_length(spec: Any, reason: str) -> None:
+    raise error(
+        ShapeError,
+        BAD_SCAN_LENGTH,
+        spec.fn,
+        num_steps=spec.num_steps,
+        reason=reason,
+        scanned=", ".join(spec.program.roles.of("scanned")) or "(none)",
+        last=spec.num_steps - 1,
+    )
+
+
+HELPERS = {"unflatten": _unflatten, "flatten": _flatten, "scan": _scan}

@@ -1,0 +1,104 @@
+"""The `Step` facade and the public functions: wrapper attributes, `show`'s text, options
+read once, errors a caller can catch by kind (each names the step by its qualname and
+location)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import pytest
+
+import autoflat
+
+
+def accumulate(total, x):
+    """Add x to the total."""
+    total = total + x
+    return total, x * 2
+
+
+class Holder:
+    @staticmethod
+    def nested(total, x):
+        total = total + x
+        return total
+
+
+def test_wrapper_attributes_come_from_the_function():
+    step = autoflat.step(accumulate)
+    assert step.__name__ == "accumulate" and step.__qualname__ == "accumulate"
+    assert step.__doc__ == "Add x to the total." and step.__module__ == __name__
+    assert step.__wrapped__ is accumulate
+    assert functools.WRAPPER_ASSIGNMENTS  # update_wrapper's list, all present:
+    for name in functools.WRAPPER_ASSIGNMENTS:
+        if hasattr(accumulate, name):
+            assert getattr(step, name) == getattr(accumulate, name)
+
+
+def test_show_returns_the_text_and_prints_nothing(capsys):
+    step = autoflat.step(accumulate)
+    text = autoflat.show(step)
+    assert capsys.readouterr().out == ""
+    assert isinstance(text, str) and text.startswith("# autoflat: generated from `accumulate`")
+    assert repr(text) == str(text)  # a REPL shows the code, not an escaped one-liner
+    print(text)
+    assert capsys.readouterr().out == text + "\n"  # printed once
+    assert text == step.source
+
+
+def test_errors_are_catchable_by_kind():
+    step = autoflat.step(accumulate, num_steps=2)
+    with pytest.raises(TypeError) as info:  # arguments that do not bind
+        step(jnp.zeros(()))
+    assert isinstance(info.value, autoflat.CallError)
+    with pytest.raises(ValueError) as info:  # a missing leading axis
+        step(jnp.zeros(()), jnp.ones((3,)))
+    assert isinstance(info.value, autoflat.ShapeError)
+    with pytest.raises(ValueError) as info:  # an option out of range
+        autoflat.step(accumulate, num_steps=0)
+    assert isinstance(info.value, autoflat.OptionError) and "num_steps" in str(info.value)
+    with pytest.raises(ValueError, match="pack must be"):
+        autoflat.step(accumulate, pack="sometimes")
+    with pytest.raises(ValueError, match="state= takes"):
+        autoflat.step(accumulate, state=[1])
+    with pytest.raises(autoflat.OptionError, match="parameters of `accumulate` are"):
+        autoflat.step(accumulate, state="nope")
+    with pytest.raises(TypeError, match="decorated with @autoflat.step"):
+        autoflat.show(accumulate)
+
+    def scaled(total, x, scale):
+        total = total + x * scale
+        return total
+
+    with pytest.raises(TypeError, match="static argument `scale`") as info:
+        autoflat.step(scaled, static_argnames="scale")(jnp.zeros(()), jnp.ones(()), [2.0])
+    assert isinstance(info.value, autoflat.CallError)
+
+    total, _ = autoflat.step(accumulate)(jnp.zeros(()), jnp.ones(()))
+    autoflat.step(accumulate)(total, jnp.ones(()))  # donates `total`
+    with pytest.raises(RuntimeError, match="consumed") as info:
+        float(total)
+    assert isinstance(info.value, autoflat.ConsumedError)
+
+
+def test_messages_name_the_step_by_qualname_and_location():
+    step = autoflat.step(Holder.nested, num_steps=2)
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(jnp.zeros(()), jnp.ones((3,)))
+    message = str(info.value)
+    assert "`Holder.nested`" in message and "test_step.py:" in message
+    with pytest.raises(autoflat.CallError) as info:
+        step(jnp.zeros(()))
+    assert "`Holder.nested`" in str(info.value) and "test_step.py:" in str(info.value)
+
+
+def test_pack_default_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AUTOFLAT_PACK", "auto")
+    assert autoflat.step(accumulate).pack == "auto"
+    assert autoflat.step(accumulate, pack=False).pack is False  # the option wins
+    monkeypatch.setenv("AUTOFLAT_PACK", "off")
+    assert autoflat.step(accumulate).pack is False
+    monkeypatch.setenv("AUTOFLAT_PACK", "maybe")
+    with pytest.raises(ValueError, match="AUTOFLAT_PACK"):
+        autoflat.step(accumulate)

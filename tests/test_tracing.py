@@ -1,0 +1,90 @@
+"""In-trace helpers (`_tracing`): chunk lengths, leading axes, state that changes its
+structure or shape within one call, `unroll`."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+import autoflat
+
+
+def _ones(n):
+    return jnp.ones((n, 3), jnp.float32)
+
+
+def accumulate(state, x):
+    state = {"sum": state["sum"] + x, "n": state["n"] + 1}
+    return state, jnp.sum(x)
+
+
+def test_remainder_chunk_and_length_errors():
+    acc = autoflat.step(accumulate, num_steps=4)
+    s = {"sum": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}
+    s, out = acc(s, _ones(4))
+    s, out = acc(s, _ones(2))
+    assert out.shape == (2,)
+    s, out = acc(s, _ones(2))  # the 2-step version is compiled once
+    assert acc.stats.traces == 2
+    assert int(s["n"]) == 8
+    with pytest.raises(
+        autoflat.AutoflatError, match="leading axis of 5, more than num_steps"
+    ) as info:
+        acc(s, _ones(5))
+    assert "accumulate" in str(info.value) and "test_tracing.py" in str(info.value)
+    # still usable after the error
+    s, _ = acc(s, _ones(4))
+    assert int(s["n"]) == 12
+
+
+def test_inconsistent_leading_axes():
+    @autoflat.step(num_steps=3)
+    def two(state, x, y):
+        state = state + jnp.sum(x) + jnp.sum(y)
+        return state
+
+    with pytest.raises(autoflat.AutoflatError, match=r"disagree on their leading axis: \[2, 3\]"):
+        two(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+
+
+def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():
+    def grow(state, x):
+        state = {"w": state["w"] + x, "count": 1}  # `count` becomes a Python int
+        return state
+
+    scanned = autoflat.step(grow, num_steps=2)
+    s = {"w": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"state\['count'\]: an array became non-array int 1"
+    ):
+        scanned(s, jnp.ones(2))
+    single = autoflat.step(grow)
+    out = single(s, jnp.float32(1.0))
+    assert out["count"] == 1 and float(out["w"]) == 1.0
+    out2 = single(out, jnp.float32(1.0))  # the new structure is fine from call to call
+    assert float(out2["w"]) == 2.0
+
+
+def test_shape_change_in_scan():
+    def widen(state, x):
+        state = jnp.concatenate([state, x[None]])
+        return state
+
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"array float32\[1\] became array float32\[2\]"
+    ):
+        autoflat.step(widen, num_steps=2)(jnp.zeros(1), jnp.ones(2))
+
+
+def test_unroll_is_passed_to_scan():
+    def f(state, x):
+        state = state * 0.5 + x
+        return state, state * 2
+
+    a = autoflat.step(f, num_steps=4, unroll=2)
+    b = autoflat.step(f, num_steps=4)
+    xs = jnp.arange(4.0, dtype=jnp.float32)
+    (sa, oa), (sb, ob) = a(jnp.float32(1.0), xs), b(jnp.float32(1.0), xs)
+    assert float(sa) == float(sb) and oa.tolist() == ob.tolist()
+    assert "unroll=2" in str(a.trace(jnp.float32(1.0), xs).jaxpr)
+    assert "unroll=2" not in str(b.trace(jnp.float32(1.0), xs).jaxpr)
