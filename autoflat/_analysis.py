@@ -1,11 +1,9 @@
-"""Stage 1 of the pipeline: read a step function's source with libcst into a plain value.
+"""Stage 1: what a step function's source says, read with libcst into a plain `Analysis` value.
 
-`analyse(fn)` parses the function's own (dedented) source and returns a frozen `Analysis`:
-its parameters, every `return` of its own scope and the names it returns, which parameters
-the body writes into or calls methods on, the free names it reads, unsupported constructs,
-and the offset that maps lines of the parsed source back to the user's file.
-
-Nothing here looks at run-time values; the roles stage combines this with them.
+`analyse(fn)` parses the function's own (dedented) source and returns its parameters, every
+`return` of its own scope and the names it returns, which parameters the body writes into or
+calls methods on, the names it reads from outside, and the offset that maps lines of the
+parsed source back to the user's file; or it raises a `SourceError` for source it cannot use.
 """
 
 from __future__ import annotations
@@ -14,18 +12,22 @@ import dataclasses
 import functools
 import inspect
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import libcst as cst
 import libcst.metadata as meta
 
 from ._errors import (
+    FUNCTOOLS_PARTIAL,
     NO_SOURCE,
     RETURNS_DISAGREE,
     UNSUPPORTED,
     UNSUPPORTED_ADVICE,
-    AutoflatError,
+    Located,
+    Location,
+    SourceError,
+    error,
     where,
 )
 
@@ -65,14 +67,14 @@ class Return:
 
 
 @dataclasses.dataclass(frozen=True)
-class Unsupported:
-    construct: str
-    line: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Analysis:
-    """What the source of a step function says, as a comparable value."""
+    """What the source of a step function says, as a comparable value.
+
+    `name` is the function's `__qualname__`, the name every message uses. `returns` includes
+    the implicit `return None` of a body that can fall off its end (`falls_through`).
+    `assigned` holds the parameters the body (or a nested function) writes into
+    (`p.x = ...`, `p[k] = ...`, `del p.x`), `method_called` those it calls a method on.
+    """
 
     name: str
     filename: str
@@ -85,16 +87,14 @@ class Analysis:
     assigned: frozenset[str]
     assigned_lines: tuple[tuple[str, int], ...]
     method_called: frozenset[str]
-    rebound: frozenset[str]
     free_names: frozenset[str]
     all_names: frozenset[str]
-    unsupported: tuple[Unsupported, ...]
     line_offset: int
-    source: str = dataclasses.field(repr=False)
-    # The parsed tree and its function definition, for the code generator; not compared.
-    module: cst.Module = dataclasses.field(repr=False, compare=False, hash=False)
-    funcdef: cst.FunctionDef = dataclasses.field(repr=False, compare=False, hash=False)
-    positions: Any = dataclasses.field(repr=False, compare=False, hash=False)
+    # For the code generator; not compared: the function definition, the `return` statements
+    # of its own scope (the nodes behind `returns`) and the positions of every node.
+    funcdef: cst.FunctionDef = dataclasses.field(repr=False, compare=False)
+    return_nodes: frozenset[cst.Return] = dataclasses.field(repr=False, compare=False)
+    positions: Mapping[cst.CSTNode, meta.CodeRange] = dataclasses.field(repr=False, compare=False)
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -109,132 +109,139 @@ class Analysis:
         return parsed_line + self.line_offset
 
 
+def _location(fn: Any) -> Location:
+    """Name and `file:line` of `fn` for messages raised before there is an `Analysis`."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return Location(name, where("<unknown>", 0))
+    return Location(name, where(code.co_filename, code.co_firstlineno))
+
+
 def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The plain Python function under `functools.wraps`-style and `jax.jit` wrappers."""
+    """The plain Python function under `functools.wraps`-style and `jax.jit` wrappers.
+
+    **Raises:**
+
+    `SourceError` for a `functools.partial`, whose bound arguments autoflat cannot see.
+    """
     seen = set()
-    while True:
-        if id(fn) in seen:
-            break
+    while id(fn) not in seen:
         seen.add(id(fn))
         if isinstance(fn, functools.partial):
-            raise AutoflatError(
-                "autoflat.step needs a function defined with `def`, not a functools.partial: "
-                "decorate the function itself and pass the bound values as broadcast= or "
-                "static_argnames= arguments, or close over them."
-            )
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None or not callable(inner):
+            inner: Any = fn
+            while isinstance(inner, functools.partial):
+                inner = inner.func
+            raise error(SourceError, FUNCTOOLS_PARTIAL, _location(inner))
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is None or not callable(wrapped):
             break
-        fn = inner
+        fn = wrapped
     return fn
 
 
-def _code_location(fn: Callable[..., Any]) -> tuple[str, int]:
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return "<unknown>", 0
-    return code.co_filename, code.co_firstlineno
-
-
 def _read_source(fn: Callable[..., Any]) -> tuple[str, str, int]:
-    """(dedented source, file name, first line) of `fn`, or a clear AutoflatError."""
-    name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
-    filename, line = _code_location(fn)
+    """(dedented source, file name, first line) of `fn`."""
+    at = _location(fn)
     if not inspect.isfunction(fn):
-        raise AutoflatError(
-            NO_SOURCE.format(
-                name=name, where=where(filename, line), reason=f"it is a {type(fn).__name__}"
-            )
-        )
+        raise error(SourceError, NO_SOURCE, at, reason=f"it is a {type(fn).__name__}")
     if fn.__name__ == "<lambda>":
-        raise AutoflatError(
-            NO_SOURCE.format(name=name, where=where(filename, line), reason="it is a lambda")
-        )
+        raise error(SourceError, NO_SOURCE, at, reason="it is a lambda")
     try:
         lines, first = inspect.getsourcelines(fn)
-        sourcefile = inspect.getsourcefile(fn) or filename
+        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
     except (OSError, TypeError) as e:
-        raise AutoflatError(
-            NO_SOURCE.format(name=name, where=where(filename, line), reason=str(e))
-        ) from None
-    return textwrap.dedent("".join(lines)), sourcefile, first
+        raise error(SourceError, NO_SOURCE, at, reason=str(e)) from None
+    return textwrap.dedent("".join(lines)), filename, first
+
+
+def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
+    nodes = [*params.posonly_params, *params.params, *params.kwonly_params]
+    if isinstance(params.star_arg, cst.Param):
+        nodes.append(params.star_arg)
+    if params.star_kwarg is not None:
+        nodes.append(params.star_kwarg)
+    return nodes
 
 
 class _Visitor(cst.CSTVisitor):
-    """Collects what the function's own scope does; nested defs count only for writes."""
+    """Collects what the function's own scope does, and the writes and method calls on its
+    parameters anywhere in it (nested functions included).
 
-    METADATA_DEPENDENCIES = (meta.PositionProvider,)
+    Which binding a name refers to comes from libcst's `ScopeProvider`: a name refers to a
+    parameter when that parameter is among the assignments it can see, so a nested
+    function's own parameter or local of the same name is not the parameter, and a
+    parameter rebound in the body still is (a write after `p = f(p)` may reach the caller's
+    object on another path). The scope provider counts `p.x = ...` as a read of `p`, not a
+    write: the writes into a parameter are what this visitor looks for.
+    """
 
-    def __init__(self, root: cst.FunctionDef, params: frozenset[str]) -> None:
+    METADATA_DEPENDENCIES = (meta.PositionProvider, meta.ScopeProvider)
+
+    def __init__(self, root: cst.FunctionDef) -> None:
         self.root = root
-        self.params = params
-        self.depth = 0  # nesting of function/lambda/class scopes below the root
-        self.shadow: list[frozenset[str]] = []
+        self.params = frozenset(_param_nodes(root.params))
+        self.scope: meta.Scope | None = None  # the root function's own scope
         self.returns: list[tuple[cst.Return, int]] = []
         self.assigned: dict[str, int] = {}
         self.method_called: set[str] = set()
-        self.rebound: set[str] = set()
-        self.unsupported: list[Unsupported] = []
+        self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(meta.PositionProvider, node).start.line
 
-    def _visible(self, name: str) -> bool:
-        return name in self.params and not any(name in s for s in self.shadow)
+    def _own(self, node: cst.CSTNode) -> bool:
+        """Whether `node` runs in the root function's own scope (comprehensions included)."""
+        scope = self.get_metadata(meta.ScopeProvider, node, None)
+        while isinstance(scope, meta.ComprehensionScope):
+            scope = scope.parent
+        return scope is not None and scope is self.scope
 
-    # scopes
+    def _parameter(self, node: cst.BaseExpression) -> str | None:
+        """The parameter that the attribute/subscript chain `node` starts from, if any."""
+        while isinstance(node, (cst.Attribute, cst.Subscript)):
+            node = node.value
+        if not isinstance(node, cst.Name):
+            return None
+        scope = self.get_metadata(meta.ScopeProvider, node, None)
+        if scope is None:
+            return None
+        for access in scope.accesses[node]:
+            if access.node is node and any(
+                getattr(a, "node", None) in self.params for a in access.referents
+            ):
+                return node.value
+        return None
+
+    # the function itself, and constructs of its own scope
     def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
         if node is self.root:
+            self.scope = self.get_metadata(meta.ScopeProvider, node.body)
             if node.asynchronous is not None:
-                self.unsupported.append(Unsupported("async", self._line(node)))
-            return
-        self.depth += 1
-        self.shadow.append(frozenset(_param_names(node.params)))
+                self.unsupported.append(("async", self._line(node)))
 
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        if original_node is not self.root:
-            self.depth -= 1
-            self.shadow.pop()
-
-    def visit_Lambda(self, node: cst.Lambda) -> None:
-        self.depth += 1
-        self.shadow.append(frozenset(_param_names(node.params)))
-
-    def leave_Lambda(self, original_node: cst.Lambda) -> None:
-        self.depth -= 1
-        self.shadow.pop()
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        self.depth += 1
-        self.shadow.append(frozenset())
-
-    def leave_ClassDef(self, original_node: cst.ClassDef) -> None:
-        self.depth -= 1
-        self.shadow.pop()
-
-    # own-scope constructs
     def visit_Return(self, node: cst.Return) -> None:
-        if self.depth == 0:
+        if self._own(node):
             self.returns.append((node, self._line(node)))
 
     def visit_Yield(self, node: cst.Yield) -> None:
-        if self.depth == 0:
-            self.unsupported.append(Unsupported("yield", self._line(node)))
+        if self._own(node):
+            self.unsupported.append(("yield", self._line(node)))
 
     def visit_Await(self, node: cst.Await) -> None:
-        if self.depth == 0:
-            self.unsupported.append(Unsupported("async", self._line(node)))
+        if self._own(node):
+            self.unsupported.append(("async", self._line(node)))
 
     def visit_Global(self, node: cst.Global) -> None:
-        if self.depth == 0:
-            self.unsupported.append(Unsupported("global", self._line(node)))
+        if self._own(node):
+            self.unsupported.append(("global", self._line(node)))
 
     def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
-        if self.depth == 0:
-            self.unsupported.append(Unsupported("nonlocal", self._line(node)))
+        if self._own(node):
+            self.unsupported.append(("nonlocal", self._line(node)))
 
-    # names, writes and method calls
+    # names, writes into parameters and method calls on them
     def visit_Name(self, node: cst.Name) -> None:
         self.names.add(node.value)
 
@@ -245,12 +252,9 @@ class _Visitor(cst.CSTVisitor):
         elif isinstance(target, cst.StarredElement):
             self._target(target.value, line)
         elif isinstance(target, (cst.Attribute, cst.Subscript)):
-            root = _root_name(target)
-            if root is not None and self._visible(root):
-                self.assigned.setdefault(root, line)
-        elif isinstance(target, cst.Name):
-            if self.depth == 0 and target.value in self.params:
-                self.rebound.add(target.value)
+            param = self._parameter(target)
+            if param is not None:
+                self.assigned.setdefault(param, line)
 
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
@@ -276,30 +280,14 @@ class _Visitor(cst.CSTVisitor):
         self._target(node.target, self._line(node))
 
     def visit_Call(self, node: cst.Call) -> None:
-        func = node.func
-        if isinstance(func, cst.Attribute):
-            root = _root_name(func.value)
-            if root is not None and self._visible(root):
-                self.method_called.add(root)
-
-
-def _root_name(node: cst.BaseExpression) -> str | None:
-    while isinstance(node, (cst.Attribute, cst.Subscript)):
-        node = node.value
-    return node.value if isinstance(node, cst.Name) else None
-
-
-def _param_names(params: cst.Parameters) -> list[str]:
-    out = [p.name.value for p in (*params.posonly_params, *params.params, *params.kwonly_params)]
-    if isinstance(params.star_arg, cst.Param):
-        out.append(params.star_arg.name.value)
-    if params.star_kwarg is not None:
-        out.append(params.star_kwarg.name.value)
-    return out
+        if isinstance(node.func, cst.Attribute):
+            param = self._parameter(node.func.value)
+            if param is not None:
+                self.method_called.add(param)
 
 
 def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
-    sig = inspect.signature(fn)
+    """The named parameters of `fn`, and its variadic ones (`*args`, `**kwargs`) as shown."""
     kinds: dict[Any, ParamKind] = {
         inspect.Parameter.POSITIONAL_ONLY: "positional_only",
         inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
@@ -307,7 +295,7 @@ def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
     }
     params = []
     variadic = []
-    for p in sig.parameters.values():
+    for p in inspect.signature(fn).parameters.values():
         if p.kind in kinds:
             params.append(Param(p.name, kinds[p.kind], p.default is not inspect.Parameter.empty))
         else:
@@ -352,6 +340,14 @@ def _falls_through(body: cst.BaseSuite) -> bool:
     return True
 
 
+_CONSTRUCTS = {
+    "yield": "`yield`",
+    "async": "`async`/`await`",
+    "global": "a `global` statement",
+    "nonlocal": "a `nonlocal` statement",
+}
+
+
 def analyse(fn: Callable[..., Any]) -> Analysis:
     """Analyse the source of `fn` (unwrapping `functools.wraps`/`jax.jit` wrappers).
 
@@ -365,21 +361,21 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
 
     **Raises:**
 
-    `AutoflatError` if the source cannot be found, uses an unsupported construct, or its
-    returns disagree.
+    `SourceError` if the source cannot be found or no longer matches the function, uses an
+    unsupported construct, or its returns disagree in shape.
     """
     fn = unwrap_function(fn)
     source, filename, first_line = _read_source(fn)
-    module = cst.parse_module(source)
-    funcdef = next((s for s in module.body if isinstance(s, cst.FunctionDef)), None)
     name = fn.__qualname__
+    at = Location(name, where(filename, first_line))
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        raise error(SourceError, NO_SOURCE, at, reason=f"libcst cannot parse it ({e})") from None
+    funcdef = next((s for s in module.body if isinstance(s, cst.FunctionDef)), None)
     if funcdef is None:
-        raise AutoflatError(
-            NO_SOURCE.format(
-                name=name,
-                where=where(filename, first_line),
-                reason="its source does not start with a `def` statement",
-            )
+        raise error(
+            SourceError, NO_SOURCE, at, reason="its source does not start with a `def` statement"
         )
     if isinstance(funcdef.body, cst.SimpleStatementSuite):
         # `def f(x): return x`: give the body its own indented line (same statement objects).
@@ -389,72 +385,53 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         module = module.with_changes(body=[new_funcdef if s is funcdef else s for s in module.body])
         funcdef = new_funcdef
     params, variadic = _params(fn)
-    in_source = [
-        p.name.value
-        for p in (
-            *funcdef.params.posonly_params,
-            *funcdef.params.params,
-            *funcdef.params.kwonly_params,
-        )
-    ]
+    fp = funcdef.params
+    in_source = [p.name.value for p in (*fp.posonly_params, *fp.params, *fp.kwonly_params)]
     if funcdef.name.value != fn.__name__ or in_source != [p.name for p in params]:
-        raise AutoflatError(
-            NO_SOURCE.format(
-                name=name,
-                where=where(filename, first_line),
-                reason="the file on disk no longer matches the function that was imported "
-                "(it was edited since): restart or re-import it",
-            )
+        raise error(
+            SourceError,
+            NO_SOURCE,
+            at,
+            reason="the file on disk no longer matches the function that was imported "
+            "(it was edited since): restart or re-import it",
         )
-    wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
-    positions = wrapper.resolve(meta.PositionProvider)
-    line_offset = first_line - 1
-    visitor = _Visitor(funcdef, frozenset(p.name for p in params))
-    wrapper.visit(visitor)
 
+    wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
+    visitor = _Visitor(funcdef)
+    wrapper.visit(visitor)
+    positions = wrapper.resolve(meta.PositionProvider)
+    scopes = wrapper.resolve(meta.ScopeProvider)
+    line_offset = first_line - 1
     def_line = positions[funcdef.name].start.line + line_offset
-    unsupported = list(visitor.unsupported)
+
+    unsupported = [(c, line + line_offset) for c, line in visitor.unsupported]
     if variadic:
-        unsupported.append(Unsupported("varargs", def_line - line_offset))
+        unsupported.append(("varargs", def_line))
     if unsupported:
-        u = unsupported[0]
-        construct = {
-            "yield": "`yield`",
-            "async": "`async`/`await`",
-            "global": "a `global` statement",
-            "nonlocal": "a `nonlocal` statement",
-            "varargs": f"variadic parameters ({', '.join(variadic)})",
-        }[u.construct]
-        raise AutoflatError(
-            UNSUPPORTED.format(
-                name=name,
-                where=where(filename, u.line + line_offset),
-                construct=construct,
-                advice=UNSUPPORTED_ADVICE[u.construct],
-            )
+        construct, line = unsupported[0]
+        raise error(
+            SourceError,
+            UNSUPPORTED,
+            Location(name, where(filename, line)),
+            construct=_CONSTRUCTS.get(construct) or f"variadic parameters ({', '.join(variadic)})",
+            advice=UNSUPPORTED_ADVICE[construct],
         )
 
     returns = tuple(_describe_return(node, line + line_offset) for node, line in visitor.returns)
     falls = _falls_through(funcdef.body)
+    body_last = positions[funcdef].end.line + line_offset
     if falls:
-        last_line = positions[funcdef].end.line + line_offset
-        returns_all = (*returns, Return(last_line, "none", ()))
-    else:
-        returns_all = returns
-    _check_returns(name, where(filename, def_line), returns_all)
+        returns = (*returns, Return(body_last, "none", ()))
+    _check_returns(Location(name, where(filename, def_line)), returns)
 
     body = funcdef.body
     body_first = positions[body.body[0]].start.line if isinstance(body, cst.IndentedBlock) else 0
-    body_last = positions[funcdef].end.line
 
-    # Free names: read somewhere in the function and never bound in it.
-    scopes = meta.MetadataWrapper(module).resolve(meta.ScopeProvider)
+    # Free names: read somewhere in the source and bound nowhere in it (builtins included).
     free: set[str] = set()
     for scope in {s for s in scopes.values() if s is not None}:
         for access in scope.accesses:
-            if not access.referents or all(
-                isinstance(a, meta.BuiltinAssignment) for a in access.referents
-            ):
+            if all(isinstance(a, meta.BuiltinAssignment) for a in access.referents):
                 free.add(_access_name(access.node))
     free.discard("")
 
@@ -463,21 +440,18 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         filename=filename,
         def_line=def_line,
         body_first_line=body_first + line_offset,
-        body_last_line=body_last + line_offset,
+        body_last_line=body_last,
         params=params,
-        returns=returns_all,
+        returns=returns,
         falls_through=falls,
         assigned=frozenset(visitor.assigned),
         assigned_lines=tuple(sorted((k, v + line_offset) for k, v in visitor.assigned.items())),
         method_called=frozenset(visitor.method_called),
-        rebound=frozenset(visitor.rebound),
         free_names=frozenset(free),
         all_names=frozenset(visitor.names),
-        unsupported=(),
         line_offset=line_offset,
-        source=source,
-        module=module,
         funcdef=funcdef,
+        return_nodes=frozenset(node for node, _ in visitor.returns),
         positions=positions,
     )
 
@@ -486,17 +460,15 @@ def _shape(r: Return) -> tuple[str, int]:
     return r.kind, len(r.names)
 
 
-def _check_returns(name: str, where_: str, returns: tuple[Return, ...]) -> None:
+def _check_returns(fn: Located, returns: tuple[Return, ...]) -> None:
     """Every return must have the same kind and arity; state names are checked by roles."""
     if not returns:
         return
     first = returns[0]
     for r in returns[1:]:
         if _shape(r) != _shape(first):
-            raise AutoflatError(
-                RETURNS_DISAGREE.format(
-                    name=name, where=where_, first=first.describe(), second=r.describe()
-                )
+            raise error(
+                SourceError, RETURNS_DISAGREE, fn, first=first.describe(), second=r.describe()
             )
 
 

@@ -19,8 +19,16 @@ import functools
 import sys
 from typing import Any, Literal
 
-from ._analysis import Analysis
-from ._errors import BAD_OPTION, RETURNS_DISAGREE, ROLE_CONFLICT, AutoflatError
+from ._analysis import Analysis, Return
+from ._errors import (
+    BAD_OPTION,
+    RETURNS_DISAGREE,
+    ROLE_CONFLICT,
+    AutoflatError,
+    OptionError,
+    SourceError,
+    error,
+)
 
 Role = Literal["state", "scanned", "broadcast", "static"]
 
@@ -94,7 +102,8 @@ def is_mutable_module(value: Any) -> bool:
 
 
 def check_options(analysis: Analysis, options: Options) -> None:
-    """Raise a clear error for option names that are not parameters or conflict."""
+    """Raise an `OptionError` for option names that are not parameters or that give one
+    parameter two roles (`assign_roles` calls this first)."""
     names = set(analysis.param_names)
     seen: dict[str, str] = {}
     for label, group in (
@@ -104,23 +113,16 @@ def check_options(analysis: Analysis, options: Options) -> None:
     ):
         for p in sorted(group):
             if p not in names:
-                raise AutoflatError(
-                    BAD_OPTION.format(
-                        name=analysis.name,
-                        where=analysis.where,
-                        what=f"{label} names `{p}`, which is not a parameter",
-                        params=", ".join(analysis.param_names) or "(none)",
-                    )
+                raise error(
+                    OptionError,
+                    BAD_OPTION,
+                    analysis,
+                    what=f"{label} names `{p}`, which is not a parameter",
+                    params=", ".join(analysis.param_names) or "(none)",
                 )
             if p in seen:
-                raise AutoflatError(
-                    ROLE_CONFLICT.format(
-                        name=analysis.name,
-                        where=analysis.where,
-                        param=p,
-                        first=seen[p],
-                        second=label,
-                    )
+                raise error(
+                    OptionError, ROLE_CONFLICT, analysis, param=p, first=seen[p], second=label
                 )
             seen[p] = label
 
@@ -142,7 +144,8 @@ def assign_roles(
 
     **Raises:**
 
-    `AutoflatError` when returns disagree about which state they return.
+    `OptionError` for options that do not fit the parameters (see `check_options`);
+    `SourceError` when the returns disagree about which state they return where.
     """
     check_options(analysis, options)
     params = analysis.param_names
@@ -158,27 +161,13 @@ def assign_roles(
                 continue
             for r in returns[1:]:
                 if r.names[pos] != name:
-                    raise AutoflatError(
-                        RETURNS_DISAGREE.format(
-                            name=analysis.name,
-                            where=analysis.where,
-                            first=first.describe(),
-                            second=r.describe(),
-                        )
-                    )
+                    raise _disagree(analysis, first, r)
             returned_at[name] = pos
         # A parameter returned by name somewhere else in a later return is a disagreement.
         for r in returns[1:]:
             for pos, name in enumerate(r.names):
                 if name in returned_at and returned_at[name] != pos:
-                    raise AutoflatError(
-                        RETURNS_DISAGREE.format(
-                            name=analysis.name,
-                            where=analysis.where,
-                            first=first.describe(),
-                            second=r.describe(),
-                        )
-                    )
+                    raise _disagree(analysis, first, r)
 
     assigned_line = dict(analysis.assigned_lines)
     roles: list[Role] = []
@@ -225,4 +214,10 @@ def assign_roles(
         roles=tuple(roles),
         reasons=tuple(reasons),
         layout=Layout(kind, tuple(entries)),
+    )
+
+
+def _disagree(analysis: Analysis, first: Return, other: Return) -> AutoflatError:
+    return error(
+        SourceError, RETURNS_DISAGREE, analysis, first=first.describe(), second=other.describe()
     )

@@ -80,9 +80,10 @@ def test_wrapped_functions_are_unwrapped():
     assert analyse(jax.jit(functional)).name == "functional"
 
 
-def _raises(fn, match, **options):
+def _raises(fn, match, kind=autoflat.SourceError, **options):
     with pytest.raises(autoflat.AutoflatError, match=match) as info:
         autoflat.step(fn, **options)
+    assert type(info.value) is kind
     return str(info.value)
 
 
@@ -167,9 +168,87 @@ def test_returns_disagree():
 
 
 def test_bad_options():
-    _raises(functional, "state= names `nope`, which is not a parameter", state="nope")
-    _raises(functional, "given two roles", broadcast="batch", static_argnames=["batch"])
-    _raises(functional, "num_steps must be an int", num_steps=0)
+    line = functional.__code__.co_firstlineno
+    msg = _raises(
+        functional,
+        "state= names `nope`, which is not a parameter",
+        autoflat.OptionError,
+        state="nope",
+    )
+    assert "`functional` (" in msg and f"test_analysis.py:{line})" in msg
+    assert "model, opt_state, batch, lr" in msg
+    _raises(
+        functional,
+        "given two roles",
+        autoflat.OptionError,
+        broadcast="batch",
+        static_argnames=["batch"],
+    )
+    _raises(functional, "num_steps must be an int", autoflat.OptionError, num_steps=0)
+
+
+def test_option_errors_are_value_errors_and_source_errors_are_not():
+    with pytest.raises(ValueError, match="not a parameter"):
+        autoflat.step(functional, broadcast="nope")
+    with pytest.raises(ValueError, match="given two roles"):
+        assign_roles(
+            analyse(functional),
+            Options(state=frozenset({"batch"}), broadcast=frozenset({"batch"})),
+        )
+    with pytest.raises(autoflat.SourceError) as info:
+        autoflat.step(lambda m: m)
+    assert not isinstance(info.value, (TypeError, ValueError))
+
+
+def test_functools_partial_is_a_source_error_naming_the_function():
+    with pytest.raises(autoflat.SourceError, match="not a functools.partial") as info:
+        autoflat.step(functools.partial(functional, lr=0.5))
+    line = functional.__code__.co_firstlineno
+    assert f"(functional, {__file__}:{line})" in str(info.value)
+
+
+def test_messages_name_the_function_by_its_qualname():
+    class Trainer:
+        def update(self, model, x):
+            if x > 0:
+                return model, x
+            return model
+
+    msg = _raises(Trainer.update, "disagree")
+    assert "`test_messages_name_the_function_by_its_qualname.<locals>.Trainer.update`" in msg
+
+
+def test_writes_follow_scopes():
+    """A name refers to the parameter only where the parameter is one of the bindings it can
+    see: nested functions' own parameters and locals, comprehension variables and lambda
+    parameters of the same name are not the parameter; a rebound parameter still may be."""
+
+    def step(model, cfg, opt, batch, key):
+        def local_model():
+            model = {}
+            model["w"] = 1  # a local of the nested function
+            return model
+
+        def param_model(model):
+            model.w = 2  # the nested function's own parameter
+            model.reset()
+
+        _ = [opt.append(1) for opt in range(2)]  # a comprehension variable
+        _ = lambda key: key.update()  # noqa: E731  (a lambda parameter)
+
+        def writes_outer():
+            batch["seen"] = True  # the step's parameter, from a nested function
+
+        cfg = dict(cfg)
+        cfg["lr"] = 0.1  # after a rebinding: may still be the caller's object
+        writes_outer()
+        return local_model(), param_model(model)
+
+    a = analyse(step)
+    line = step.__code__.co_firstlineno
+    assert a.assigned == {"cfg", "batch"}
+    assert dict(a.assigned_lines) == {"batch": line + 14, "cfg": line + 17}
+    assert a.method_called == set()
 
 
 def test_one_line_function_and_kwargs_message():
@@ -177,7 +256,7 @@ def test_one_line_function_and_kwargs_message():
 
     step = autoflat.step(one)
     assert float(step(jnp.float32(2.0))) == 4.0
-    assert "return (), (x * 2,)" in autoflat.show(step, print_=False)
+    assert "return (), (x * 2,)" in autoflat.show(step)
 
     def kw(x, **options):
         return x
@@ -204,5 +283,5 @@ def test_source_edited_since_import_is_a_clear_error(tmp_path, monkeypatch):
     mod = importlib.import_module("edited_mod")
     path.write_text("# a new first line\ndef other(a, b, c):\n    return a\n")
     linecache.checkcache(str(path))
-    with pytest.raises(autoflat.AutoflatError, match="no longer matches the function"):
+    with pytest.raises(autoflat.SourceError, match="no longer matches the function"):
         autoflat.step(mod.update)
