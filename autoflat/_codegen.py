@@ -1,24 +1,27 @@
-"""Stage 3: generate the flattened, k-step version of a step function (libcst templates).
+"""Stage 3: the source of the flattened, k-step version of a step function, as a value.
 
-The output is one readable Python module holding a factory. The factory's parameters are
-everything that enters the generated code from outside: autoflat's helpers and the user's
-closure variables (whose original cells are bound at load time, so they stay live). Inside it,
-the generated function takes the state as flat leaves, rebuilds the user's objects inside the
-trace, runs the user's body unchanged (comments and formatting kept) as the body of a
-`lax.scan` step with every `return` rewritten to `(new state), (outputs)`, and returns flat
-leaves plus stacked outputs.
+`generate` fills libcst templates with the names it picks and splices in the user's body
+unchanged (comments and formatting kept), every `return` of its own scope rewritten to
+`(new state leaves), (outputs)`. The result is one module defining a factory whose parameters
+are everything that enters the code from outside (autoflat's helpers, then the user's closure
+variables), and a line map from the generated lines back to the user's.
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import libcst as cst
 import libcst.metadata as meta
-from libcst.helpers import parse_template_module
+from libcst.helpers import (
+    parse_template_expression,
+    parse_template_module,
+    parse_template_statement,
+)
 
 from ._analysis import Analysis
 from ._errors import where
@@ -32,10 +35,10 @@ class GeneratedCode:
     """Generated source as a value: what `show()` prints is exactly what is compiled.
 
     - `source`: the module text.
-    - `factory`: the name of the factory function it defines.
+    - `factory`: the name of the factory function it defines; its parameters are the helpers
+      (in `HELPERS` order), then the user's closure variables.
     - `function`: the name of the generated step function inside the factory.
     - `helpers`: maps each helper role (`"flatten"`, ...) to its name in the source.
-    - `freevars`: the user's closure variables, factory parameters after the helpers.
     - `line_map`: (generated line, user line) pairs for the lines of the user's body.
     """
 
@@ -43,7 +46,6 @@ class GeneratedCode:
     factory: str
     function: str
     helpers: Mapping[str, str]
-    freevars: tuple[str, ...]
     line_map: tuple[tuple[int, int], ...]
 
     def user_line(self, generated_line: int) -> int | None:
@@ -70,8 +72,9 @@ class Namer:
 
 
 class _BodyMarker(cst.CSTTransformer):
-    """Replaces the marker statement of a template by the user's statements (kept as objects,
-    so their positions can be looked up afterwards)."""
+    """Replaces the marker statement of a template by the user's statements, as the same
+    objects (a template replacement would copy them), so that their positions in the
+    generated module can be looked up for the line map."""
 
     def __init__(self, marker: str, statements: list[cst.BaseStatement]) -> None:
         self.marker = marker
@@ -91,50 +94,20 @@ class _BodyMarker(cst.CSTTransformer):
 
 
 class _ReturnRewriter(cst.CSTTransformer):
-    """Rewrites the returns of the function's own scope; records where each statement came
-    from so the line map can be built."""
+    """Rewrites the function's own `return` statements (those the analysis found; a nested
+    function's are left alone) and records where each new statement came from."""
 
-    METADATA_DEPENDENCIES = ()
-
-    def __init__(self, make_return: Any) -> None:
+    def __init__(
+        self, returns: frozenset[cst.Return], make_return: Callable[[cst.Return], cst.Return]
+    ) -> None:
+        self.returns = returns
         self.make_return = make_return
-        self.depth = -1  # the root function itself is entered first
         self.origin: dict[cst.CSTNode, cst.CSTNode] = {}
 
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_FunctionDef(
-        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
-    ) -> Any:
-        self.depth -= 1
-        return self._keep(original_node, updated_node)
-
-    def visit_Lambda(self, node: cst.Lambda) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_Lambda(self, original_node: cst.Lambda, updated_node: cst.Lambda) -> Any:
-        self.depth -= 1
-        return updated_node
-
-    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
-        self.depth += 1
-        return True
-
-    def leave_ClassDef(self, original_node: cst.ClassDef, updated_node: cst.ClassDef) -> Any:
-        self.depth -= 1
-        return self._keep(original_node, updated_node)
-
     def leave_Return(self, original_node: cst.Return, updated_node: cst.Return) -> Any:
-        if self.depth == 0:
+        if original_node in self.returns:
             return self.make_return(original_node)
         return updated_node
-
-    def _keep(self, original: cst.CSTNode, updated: cst.CSTNode) -> cst.CSTNode:
-        self.origin[updated] = self.origin.get(original, original)
-        return updated
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: Any) -> Any:
         result = super().on_leave(original_node, updated_node)
@@ -166,6 +139,30 @@ def _comment_lines(texts: Iterable[str]) -> list[cst.EmptyLine]:
     return [cst.EmptyLine(indent=True, comment=cst.Comment(f"# {t}" if t else "#")) for t in texts]
 
 
+# The statements and expressions generated code is made of; `{...}` are libcst placeholders.
+_BIND_UNFLATTEN = "{param} = {unflatten}({source}[{index}])"
+_BIND_INDEX = "{param} = {source}[{index}]"
+_BIND_STATIC = "{param} = {spec}.static[{key}]"
+_FLATTEN = "{flatten}({spec}, {index}, {value})"
+_RETURN = "return {state}, {outputs}"
+
+_SCAN_TEMPLATE = """\
+def {factory}({params}):
+    def {function}({spec}, {state}, {xs}, {broadcast}):
+        def {step}({carry}, {x}):
+            {body}
+        return {scan}({step}, {spec}, {state}, {xs})
+    return {function}
+"""
+
+_PLAIN_TEMPLATE = """\
+def {factory}({params}):
+    def {function}({spec}, {state}, {xs}, {broadcast}):
+        {body}
+    return {function}
+"""
+
+
 def generate(
     analysis: Analysis,
     roles: Roles,
@@ -183,7 +180,8 @@ def generate(
     - `num_steps`: steps per call (1 generates no scan).
     - `user_globals`: the function's globals (generated names avoid them).
     - `freevars`: the function's closure variable names, in `__code__.co_freevars` order.
-    - `index`: a number that makes the generated file name unique.
+    - `index`: unused (the file name, made by the loader, tells programs apart); accepted
+      so callers need not change.
 
     **Returns:**
 
@@ -216,26 +214,25 @@ def generate(
 
     def make_return(node: cst.Return | None) -> cst.Return:
         elements = _elements(node.value if node is not None else None)
-        flats: list[cst.BaseExpression] = []
-        for i, p in enumerate(state):
-            value = elements[returned_at[p]] if p in returned_at else cst.Name(p)
-            flats.append(
-                cst.Call(
-                    func=cst.Name(helpers["flatten"]),
-                    args=[cst.Arg(cst.Name(spec)), cst.Arg(cst.Integer(str(i))), cst.Arg(value)],
-                )
+        flats = [
+            parse_template_expression(
+                _FLATTEN,
+                flatten=cst.Name(helpers["flatten"]),
+                spec=cst.Name(spec),
+                index=cst.Integer(str(i)),
+                value=elements[returned_at[p]] if p in returned_at else cst.Name(p),
             )
+            for i, p in enumerate(state)
+        ]
         outs = [elements[pos] for pos in out_positions] if elements else []
-        value = _tuple([_tuple(flats), _tuple(outs)]).with_changes(lpar=[], rpar=[])
-        if node is None:
-            return cst.Return(value=value)
-        return cst.Return(value=value, semicolon=node.semicolon)
+        line = parse_template_statement(_RETURN, state=_tuple(flats), outputs=_tuple(outs))
+        new = cst.ensure_type(cst.ensure_type(line, cst.SimpleStatementLine).body[0], cst.Return)
+        return new if node is None else new.with_changes(semicolon=node.semicolon)
 
-    # The user's body, returns rewritten (nested functions' returns untouched).
-    rewriter = _ReturnRewriter(make_return)
+    # The user's body, its own returns rewritten.
+    rewriter = _ReturnRewriter(analysis.return_nodes, make_return)
     new_func = cst.ensure_type(funcdef.visit(rewriter), cst.FunctionDef)
-    body_block = cst.ensure_type(new_func.body, cst.IndentedBlock)
-    statements = list(body_block.body)
+    statements = list(cst.ensure_type(new_func.body, cst.IndentedBlock).body)
     if analysis.falls_through:
         statements.append(cst.SimpleStatementLine(body=[make_return(None)]))
     body_label = (
@@ -246,31 +243,58 @@ def generate(
     statements[0] = first.with_changes(
         leading_lines=[*_comment_lines([body_label]), *first.leading_lines]
     )
-    origin = rewriter.origin
 
     # Binding of every parameter at the top of the step.
-    binds: list[str] = []
     bcast = roles.of("broadcast")
     xs_names = roles.of("scanned")
     state_src = carry if scanning else state_in
     x_src = x if scanning else xs_in
+    unflatten = cst.Name(helpers["unflatten"])
+    binds: list[cst.BaseStatement] = []
     for p, role in zip(roles.params, roles.roles, strict=True):
+        target = cst.Name(p)
         if role == "state":
-            binds.append(f"{p} = {helpers['unflatten']}({state_src}[{state.index(p)}])")
+            binds.append(
+                parse_template_statement(
+                    _BIND_UNFLATTEN,
+                    param=target,
+                    unflatten=unflatten,
+                    source=cst.Name(state_src),
+                    index=cst.Integer(str(state.index(p))),
+                )
+            )
         elif role == "scanned":
-            binds.append(f"{p} = {x_src}[{xs_names.index(p)}]")
+            binds.append(
+                parse_template_statement(
+                    _BIND_INDEX,
+                    param=target,
+                    source=cst.Name(x_src),
+                    index=cst.Integer(str(xs_names.index(p))),
+                )
+            )
         elif role == "broadcast":
-            binds.append(f"{p} = {helpers['unflatten']}({bcast_in}[{bcast.index(p)}])")
+            binds.append(
+                parse_template_statement(
+                    _BIND_UNFLATTEN,
+                    param=target,
+                    unflatten=unflatten,
+                    source=cst.Name(bcast_in),
+                    index=cst.Integer(str(bcast.index(p))),
+                )
+            )
         else:
-            binds.append(f"{p} = {spec}.static[{p!r}]")
-    bind_stmts = [cst.parse_statement(b + "\n") for b in binds]
-    if bind_stmts:
+            binds.append(
+                parse_template_statement(
+                    _BIND_STATIC, param=target, spec=cst.Name(spec), key=cst.SimpleString(repr(p))
+                )
+            )
+    if binds:
         label = (
             "unflatten state and bind this step's inputs"
             if scanning
             else "unflatten state and bind inputs"
         )
-        bind_stmts[0] = bind_stmts[0].with_changes(leading_lines=_comment_lines([label]))
+        binds[0] = binds[0].with_changes(leading_lines=_comment_lines([label]))
 
     header = [
         f"autoflat: generated from `{analysis.name}` at "
@@ -302,58 +326,39 @@ def generate(
     }
     if scanning:
         names.update(step=step_name, carry=carry, x=x, scan=helpers["scan"])
-        template = _SCAN_TEMPLATE
-    else:
-        template = _PLAIN_TEMPLATE
     replacements: dict[str, Any] = {k: cst.Name(v) for k, v in names.items()}
-    for i, v in enumerate([*helpers.values(), *freevars]):
-        replacements[f"p{i}"] = cst.Name(v)
-    params = ", ".join(f"{{p{i}}}" for i in range(len(helpers) + len(freevars)))
-    module = parse_template_module(template.replace("{params}", params), **replacements)
-    module = module.visit(_BodyMarker(marker, [*bind_stmts, *statements]))
+    replacements["params"] = cst.Parameters(
+        params=[cst.Param(cst.Name(v)) for v in (*helpers.values(), *freevars)]
+    )
+    module = parse_template_module(_SCAN_TEMPLATE if scanning else _PLAIN_TEMPLATE, **replacements)
+    module = module.visit(_BodyMarker(marker, [*binds, *statements]))
     module = module.with_changes(header=_comment_lines(header))
-    source = module.code
 
-    # Line map: generated line -> user line, for every statement of the user's body.
-    wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
-    gen_pos = wrapper.resolve(meta.PositionProvider)
+    return GeneratedCode(
+        source=module.code,
+        factory=factory,
+        function=name,
+        helpers=helpers,
+        line_map=_line_map(module, rewriter.origin, analysis),
+    )
+
+
+def _line_map(
+    module: cst.Module, origin: Mapping[cst.CSTNode, cst.CSTNode], analysis: Analysis
+) -> tuple[tuple[int, int], ...]:
+    """(generated line, user line) for every line of every statement of the user's body."""
+    positions = meta.MetadataWrapper(module, unsafe_skip_copy=True).resolve(meta.PositionProvider)
     line_map: dict[int, int] = {}
     for new_node, orig_node in origin.items():
-        if new_node not in gen_pos or orig_node not in analysis.positions:
+        if new_node not in positions or orig_node not in analysis.positions:
             continue
-        g = gen_pos[new_node]
+        g = positions[new_node]
         u = analysis.positions[orig_node]
         n = min(g.end.line - g.start.line, u.end.line - u.start.line)
         for k in range(n + 1):
             line_map.setdefault(g.start.line + k, analysis.user_line(u.start.line + k))
-    return GeneratedCode(
-        source=source,
-        factory=factory,
-        function=name,
-        helpers=helpers,
-        freevars=freevars,
-        line_map=tuple(sorted(line_map.items())),
-    )
-
-
-_SCAN_TEMPLATE = """\
-def {factory}({params}):
-    def {function}({spec}, {state}, {xs}, {broadcast}):
-        def {step}({carry}, {x}):
-            {body}
-        return {scan}({step}, {spec}, {state}, {xs})
-    return {function}
-"""
-
-_PLAIN_TEMPLATE = """\
-def {factory}({params}):
-    def {function}({spec}, {state}, {xs}, {broadcast}):
-        {body}
-    return {function}
-"""
+    return tuple(sorted(line_map.items()))
 
 
 def _short(filename: str) -> str:
-    import os
-
     return os.path.basename(filename)

@@ -28,7 +28,7 @@ LINE = update.__code__.co_firstlineno
 
 def test_scan_code_exactly():
     step = autoflat.step(update, num_steps=4, static_argnames="scale", broadcast="lr")
-    src = autoflat.show(step, print_=False)
+    src = autoflat.show(step)
     expected = textwrap.dedent(
         f"""\
         # autoflat: generated from `update` at test_codegen.py:{LINE}
@@ -72,7 +72,7 @@ def test_plain_code_for_one_step_and_fallthrough():
         counter["n"] = counter["n"] + d
 
     step = autoflat.step(bump)
-    src = autoflat.show(step, print_=False)
+    src = autoflat.show(step)
     body = src.split("def bump(", 1)[1]
     assert body == textwrap.dedent(
         """\
@@ -98,7 +98,7 @@ def test_names_avoid_collisions_with_user_names():
         return _af_state, x * 1
 
     step = autoflat.step(clash, num_steps=2)
-    src = autoflat.show(step, print_=False)
+    src = autoflat.show(step)
     assert "def _autoflat_clash(_af_unflatten, _af_flatten_1, _af_scan, _af_flatten):" in src
     assert "def clash(_af_spec_1, _af_state_1, _af_xs, _af_broadcast):" in src
     total, out = step(jnp.float32(1.0), jnp.array([1.0, 2.0], jnp.float32))
@@ -106,13 +106,14 @@ def test_names_avoid_collisions_with_user_names():
     assert out.tolist() == [1.0, 2.0]
 
 
-def test_show_prints(capsys):
+def test_show_returns_the_compiled_text(capsys):
     step = autoflat.step(update)
     text = autoflat.show(step)
-    assert capsys.readouterr().out == text + "\n"
+    assert capsys.readouterr().out == ""  # a value, shown as the code by a REPL
+    assert repr(text) == text == step.programs[-1].generated.source
 
 
 def test_generated_code_is_deterministic():
-    a = autoflat.show(autoflat.step(update, num_steps=3), print_=False)
-    b = autoflat.show(autoflat.step(update, num_steps=3), print_=False)
+    a = autoflat.show(autoflat.step(update, num_steps=3))
+    b = autoflat.show(autoflat.step(update, num_steps=3))
     assert a == b
