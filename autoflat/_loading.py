@@ -1,13 +1,11 @@
-"""Stage 4: compile generated code, make it visible to tracebacks/pdb, and bind it live.
+"""Stage 4: generated code made into the live function that runs, its lines kept findable.
 
-The generated module is compiled under a descriptive file name such as
-`<autoflat:update:0 from train.py:31>` and registered with `linecache`, so tracebacks,
-`inspect` and pdb show its lines. The generated function is built from the factory's inner
-code object with the user's own `__globals__` (live: later assignments are seen) and the
-user's original closure cells (live too); autoflat's helpers get fresh cells.
-
-Errors raised inside the user's body get their traceback entries rewritten to the user's file
-and line (the technique Jinja uses for templates), plus a note that names both.
+`load` compiles the generated module under a descriptive file name such as
+`<autoflat:update:0 from train.py:31>`, registers its lines with `linecache` (so tracebacks,
+`inspect` and pdb show them) and builds the step function from the factory's inner code
+object with the user's own `__globals__` and closure cells, so both stay live; autoflat's
+helpers get fresh cells. `rewrite_traceback` points the traceback entries of an error raised
+in the user's body at the user's file and line (the technique Jinja uses for templates).
 """
 
 from __future__ import annotations
@@ -26,7 +24,21 @@ _registered: set[str] = set()
 
 
 def filename_for(name: str, index: int, user_file: str, line: int) -> str:
+    """The file name generated code is compiled under: `<autoflat:NAME:INDEX from FILE:LINE>`.
+
+    The angle brackets matter. `linecache` never looks such a name up on disk or through a
+    module's `__loader__`; any other name would, after `linecache.clearcache()`, be read
+    through the loader of the module whose globals the code runs with (the user's) and show
+    lines of the user's file.
+    """
     return f"<autoflat:{name}:{index} from {os.path.basename(user_file)}:{line}>"
+
+
+def _register(filename: str, source: str) -> None:
+    """Give `linecache` the lines of `source` under `filename` (mtime None: never checked
+    against a file, so `linecache.checkcache()` keeps them)."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    _registered.add(filename)
 
 
 def load(
@@ -45,10 +57,8 @@ def load(
     - `helpers`: helper role -> object, for the names in `generated.helpers`.
     - `filename`: the file name to compile under (registered with `linecache`).
     """
-    source = generated.source
-    code = compile(source, filename, "exec", dont_inherit=True)
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    _registered.add(filename)
+    code = compile(generated.source, filename, "exec", dont_inherit=True)
+    _register(filename, generated.source)
 
     factory = _find_code(code, generated.factory)
     inner = _find_code(factory, generated.function)
@@ -84,6 +94,7 @@ def _find_code(code: types.CodeType, name: str) -> types.CodeType:
 
 
 def clear() -> None:
+    """Drop the lines of every generated file from `linecache`."""
     for f in _registered:
         linecache.cache.pop(f, None)
     _registered.clear()
@@ -114,7 +125,14 @@ def rewrite_traceback(
     qualname: str,
 ) -> None:
     """Point the traceback entries of the user's body at the user's file and line, and add a
-    note naming the line."""
+    note naming the line.
+
+    The generated lines are registered with `linecache` again first if something (a
+    `linecache.clearcache()`) dropped them, so the entries left in the generated file still
+    show their lines when the traceback is printed.
+    """
+    if filename not in linecache.cache:
+        _register(filename, generated.source)
     tb = exc.__traceback__
     entries = []
     user_line = None

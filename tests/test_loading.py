@@ -59,7 +59,7 @@ def test_linecache_and_inspect():
         program.filename
         == f"<autoflat:scaled:0 from test_loading.py:{scaled.__code__.co_firstlineno}>"
     )
-    assert "".join(linecache.getlines(program.filename)) == autoflat.show(step, print_=False)
+    assert "".join(linecache.getlines(program.filename)) == autoflat.show(step)
     assert inspect.getsource(program.fn).startswith("    def scaled(")
 
 
@@ -143,4 +143,32 @@ def test_method_decoration():
 
     m = Trainer(0.5).train(jnp.float32(0.0), jnp.ones(2, jnp.float32))
     assert float(m) == 1.0
-    assert "# self: broadcast (the method's instance)" in autoflat.show(Trainer.train, print_=False)
+    assert "# self: broadcast (the method's instance)" in autoflat.show(Trainer.train)
+
+
+def test_generated_lines_come_back_after_linecache_clearcache():
+    """`linecache.clearcache()` drops the generated lines; an error raised through the step
+    registers them again before its traceback is shown, so every entry in the generated file
+    still shows its line."""
+    step = autoflat.step(boom, num_steps=2)
+    filename = step.programs[0].filename
+    linecache.clearcache()
+    assert linecache.getlines(filename) == []
+    with pytest.raises(TypeError) as info:
+        step(jnp.zeros(2), jnp.ones((2, 2)))
+    assert "".join(linecache.getlines(filename)) == autoflat.show(step)
+    generated = [
+        f for f in traceback.extract_tb(info.value.__traceback__) if f.filename == filename
+    ]
+    assert generated and all(f.line for f in generated), generated
+
+
+def test_generated_lines_are_never_read_through_the_users_module():
+    """The generated code runs with the user's globals, whose `__loader__` is the user's
+    module's: the file name is one `linecache` never asks a loader about, so a lookup with
+    those globals after `linecache.clearcache()` finds nothing rather than the user's lines."""
+    step = autoflat.step(scaled)
+    filename = step.programs[0].filename
+    linecache.clearcache()
+    assert linecache.getlines(filename, scaled.__globals__) == []
+    assert filename not in linecache.cache
