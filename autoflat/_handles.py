@@ -1,13 +1,11 @@
-"""Lazy handles: returned state that rebuilds the real object only when it is used.
+"""Lazy handles: state returned by a step, standing for the real object until it is used.
 
 A handle holds (structure, array leaves) straight from a compiled call. It rebuilds the real
 object with `tree_unflatten` on first access (attribute, call, `repr`, pickling, iteration,
 `autoflat.unwrap`), once, and otherwise behaves as that object: `isinstance` sees its class,
 and JAX sees the same leaves (it is a pytree node that flattens to them without a rebuild).
-
-Passing an unrebuilt handle back into a step is the fast path: its leaves are used as they
-are, with no flatten and no structure comparison beyond identity. A handle whose buffers were
-donated to a later call is *consumed*: using it raises a clear `AutoflatError`.
+A handle whose buffers were donated to a later call is *consumed*: using it raises a
+`ConsumedError`.
 """
 
 from __future__ import annotations
@@ -17,12 +15,13 @@ from typing import Any
 
 import jax
 
-from ._errors import CONSUMED, AutoflatError
+from ._errors import CONSUMED, ConsumedError, Location, error
 from ._structure import Placement, Structure, flatten
 
 
 class Origin:
-    """Who produced a handle: for error messages and rebuild counters."""
+    """Who produced a handle: the step's name (`__qualname__`) and `file:line` for messages
+    (it is `Located`), and its counters for rebuilds."""
 
     __slots__ = ("name", "where", "stats")
 
@@ -81,13 +80,12 @@ class LazyHandle:
         call = object.__getattribute__(self, "_af_consumed_by")
         if call:
             origin = object.__getattribute__(self, "_af_origin")
-            raise AutoflatError(
-                CONSUMED.format(
-                    param=object.__getattribute__(self, "_af_param"),
-                    call=call,
-                    name=origin.name if origin else "step",
-                    where=origin.where if origin else "?",
-                )
+            raise error(
+                ConsumedError,
+                CONSUMED,
+                origin if origin is not None else Location("step", "?"),
+                param=object.__getattribute__(self, "_af_param"),
+                call=call,
             )
 
     def _af_get(self) -> Any:
@@ -324,7 +322,8 @@ def unwrap(x: Any) -> Any:
 
     **Raises:**
 
-    `AutoflatError` if a handle was consumed by a later call that donated its buffers.
+    `ConsumedError` (a `RuntimeError`) if a handle was consumed by a later call that donated
+    its buffers.
 
     ```python
     >>> import autoflat

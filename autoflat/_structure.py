@@ -1,12 +1,11 @@
-"""Structures and the transport of state leaves across the `jax.jit` boundary.
+"""Structures: the static part of a state value, interned so that comparing two is `is`.
 
-A *structure* is the interned triple (treedef, the non-array leaves, which positions are
-arrays). Non-array leaves (activation functions, Python scalars, strings) are static, as in
-`eqx.filter_jit`; array leaves cross the boundary. Interning makes structure comparison an
-identity check, which is what keeps the call path O(1).
-
-The transport (one buffer per array leaf today) lives in this module alone: `flatten_host`,
-`FlatState` and `Structure.unflatten` are the only places that know how leaves travel.
+A *structure* is (treedef, the non-array leaves, which positions are arrays). Non-array leaves
+(activation functions, Python scalars, strings) are static, as in `eqx.filter_jit`; array
+leaves cross the `jax.jit` boundary. `flatten` splits a value into its interned structure and
+its array leaves and `Structure.unflatten` joins them again; `FlatState` is the pair as one
+pytree node, `Placement` the multi-device shardings of its leaves, and `describe_difference`
+says how two structures differ.
 """
 
 from __future__ import annotations
@@ -76,18 +75,11 @@ class Structure:
         self._immutable: bool | None = None
         self.key = key
 
-    @property
-    def all_arrays(self) -> bool:
-        return self.n_arrays == len(self.static_leaves)
-
     def unflatten(self, arrays: Sequence[Any]) -> Any:
         """Rebuild the value from its array leaves."""
         if self.n_arrays == len(self.static_leaves):
             return self.treedef.unflatten(arrays)
-        leaves = list(self.static_leaves)
-        for pos, a in zip(self.array_positions, arrays, strict=True):
-            leaves[pos] = a
-        return self.treedef.unflatten(leaves)
+        return self.treedef.unflatten(self.all_leaves(arrays))
 
     def all_leaves(self, arrays: Sequence[Any]) -> list[Any]:
         """Every leaf, static and array, in tree order."""

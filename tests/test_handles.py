@@ -182,3 +182,21 @@ def test_new_handle_fills_every_slot_as_the_constructor_does():
     for name in LazyHandle.__slots__:
         if name != "__weakref__":
             assert object.__getattribute__(a, name) is object.__getattribute__(b, name), name
+
+
+def test_consumed_handle_raises_consumed_error_a_runtime_error():
+    from autoflat._handles import Origin, new_handle
+
+    structure, arrays = autoflat._structure.flatten({"w": jnp.ones(2)})
+    origin = Origin("Trainer.update", "train.py:12", None)
+    h = new_handle(structure, arrays, None, origin, "model", None)
+    object.__setattr__(h, "_af_consumed_by", 3)
+    with pytest.raises(RuntimeError, match="consumed by call 3 of `Trainer.update`") as info:
+        h["w"]
+    assert type(info.value) is autoflat.ConsumedError
+    msg = str(info.value)
+    assert "(train.py:12)" in msg and "model, ... = Trainer.update(model, ...)" in msg
+    with pytest.raises(autoflat.ConsumedError):
+        autoflat.unwrap([h])
+    with pytest.raises(autoflat.ConsumedError):
+        jax.tree.leaves(h)
