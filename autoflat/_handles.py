@@ -332,6 +332,9 @@ def unwrap(x: Any) -> Any:
 
     ```
     """
+    # A walk of the builtin containers only, not `jax.tree.map`: that would sort dict keys
+    # (and fail on keys that do not sort) and rebuild every pytree node it meets, returning
+    # copies of the user's objects (a Flax NNX module among them) instead of the objects.
     if type(x) is LazyHandle:
         return LazyHandle._af_get(x)
     if type(x) is tuple:

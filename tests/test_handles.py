@@ -134,6 +134,11 @@ def test_unwrap_containers_and_passthrough():
     m, (o,), d = autoflat.unwrap((model, [opt_state], {"x": 1}))
     assert type(m) is eqx.nn.MLP and type(o) is tuple and d == {"x": 1}
     assert autoflat.unwrap(loss) is loss
+    # dicts keep their order (and keys that do not sort); other objects are returned as
+    # they are, never rebuilt
+    assert list(autoflat.unwrap({"b": model, 1: 2, "a": 3})) == ["b", 1, "a"]
+    real = autoflat.unwrap(model)
+    assert autoflat.unwrap(real) is real and autoflat.unwrap([real])[0] is real
 
 
 def test_immutable_rebuilt_handle_stays_on_fast_path():
