@@ -29,12 +29,18 @@ The train steps:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+import autoflat
+from benchmarks import harness
+from benchmarks.harness import Method, Plan
+from benchmarks.models import make_batch
 
 STAGE_BLOCKS = (3, 4, 6, 3)
 STAGE_STRIDES = (1, 2, 2, 2)
@@ -154,16 +160,6 @@ def make_optimizer(model: nnx.Module, learning_rate: float = 1e-3) -> nnx.Optimi
     return nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
 
 
-def make_batch(
-    key: jax.Array, batch_size: int, image_size: int = 16, num_classes: int = 10
-) -> tuple[jax.Array, jax.Array]:
-    """A random (images NHWC float32, integer labels) batch."""
-    kx, ky = jax.random.split(key)
-    images = jax.random.normal(kx, (batch_size, image_size, image_size, 3))
-    labels = jax.random.randint(ky, (batch_size,), 0, num_classes)
-    return images, labels
-
-
 def loss_fn(model: NarrowResNet50, x: jax.Array, y: jax.Array) -> jax.Array:
     logits = model(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -191,9 +187,154 @@ def count_leaves(*objs: Any) -> dict[str, int]:
     return {"arrays": len(leaves), "params": len(params)}
 
 
-if __name__ == "__main__":
-    m = make_model()
-    opt = make_optimizer(m)
-    print(count_leaves(m), count_leaves(m, opt))
-    b = make_batch(jax.random.PRNGKey(1), 8)
-    print(loss_fn(m, *b))
+# ==========================================================================================
+# The ways of running the steps that the benchmarks compare
+# ==========================================================================================
+
+
+class Setup:
+    """The shared inputs of the NNX methods (`args`: one step's (x, y); `checks`: those of the
+    steps every method runs before timing); `fresh()` is a new model and optimizer."""
+
+    def __init__(self, width: int, batch_size: int, image_size: int, batchnorm: bool):
+        self.width, self.batchnorm = width, batchnorm
+        key, *keys = jax.random.split(jax.random.PRNGKey(1), harness.CHECK_STEPS + 1)
+        self.args = make_batch(key, batch_size, image_size)
+        self.checks = [make_batch(k, batch_size, image_size) for k in keys]
+
+    def fresh(self) -> tuple[Any, Any]:
+        model = make_model(seed=0, width=self.width, batchnorm=self.batchnorm)
+        return model, make_optimizer(model)
+
+
+class SplitMerge(Method):
+    """The loop of Flax's performance guide: `loss, state = f(graphdef, state, x, y)`."""
+
+    def _loop(self, n: int, args: tuple[Any, ...]) -> Any:
+        f, (graphdef,), (state,), loss = self.fn, self.fixed, self.state, None
+        for _ in range(n):
+            loss, state = f(graphdef, state, *args)
+        self.state = (state,)
+        return loss
+
+
+def _mutating(build: Any) -> Any:
+    """A plan calling `build(model, optimizer)(model, optimizer, x, y)` on fresh objects
+    that the step updates in place."""
+
+    def make(s: Setup) -> Plan:
+        model, optimizer = s.fresh()
+        return Plan(lambda: build(model, optimizer), fixed=(model, optimizer))
+
+    return make
+
+
+def _partial(bind: Any) -> Any:
+    """A plan calling `bind(model, optimizer)(x, y)`: model and optimizer bound in a partial."""
+
+    def make(s: Setup) -> Plan:
+        model, optimizer = s.fresh()
+        return Plan(lambda: bind(model, optimizer))
+
+    return make
+
+
+def _cached_partial(model: Any, optimizer: Any) -> Any:
+    jitted = nnx.jit(train_step, graph=True, graph_updates=True)
+    with nnx.set_graph_mode(True), nnx.set_graph_updates(True):
+        return nnx.cached_partial(jitted, model, optimizer)
+
+
+def _split_merge(s: Setup) -> Plan:
+    graphdef, state = nnx.split(s.fresh())
+
+    @jax.jit
+    def jax_train_step(graphdef, state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = train_step(model, optimizer, x, y)
+        return loss, nnx.state((model, optimizer))
+
+    return Plan(lambda: jax_train_step, (state,), (graphdef,))
+
+
+def _scan(s: Setup) -> Plan:
+    graphdef, state = nnx.split(s.fresh())
+
+    def body(state, xy):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = train_step(model, optimizer, *xy)
+        return nnx.state((model, optimizer)), loss
+
+    scan = lambda s, x, y: jax.lax.scan(body, s, (x, y))  # noqa: E731
+    return Plan(lambda: jax.jit(scan, donate_argnums=0), (state,))
+
+
+# key: (label, plan, note)
+CATALOGUE: dict[str, tuple[str, Any, str]] = {
+    "nnx_jit": (
+        "nnx.jit (graph mode, the default)",
+        _mutating(lambda m, o: nnx.jit(train_step)),
+        "nnx.jit(train_step): graph=True, graph_updates=True are Flax 0.12's defaults; no donation",
+    ),
+    "nnx_jit_tree": (
+        "nnx.jit(graph=False) (tree mode)",
+        _mutating(lambda m, o: nnx.jit(train_step, graph=False)),
+        "modules treated as pytrees; no donation",
+    ),
+    "cached_partial": (
+        "nnx.cached_partial (graph mode)",
+        _partial(_cached_partial),
+        "nnx.cached_partial(nnx.jit(train_step, graph=True, graph_updates=True), model, "
+        "optimizer) under set_graph_mode(True), set_graph_updates(True), as its docstring",
+    ),
+    "jit_partial": (
+        "nnx.jit_partial (tree mode)",
+        _partial(lambda m, o: nnx.jit_partial(train_step, m, o, graph=False)),
+        "nnx.jit_partial(train_step, model, optimizer, graph=False), as its docstring",
+    ),
+    "split_merge": (
+        "split/merge loop (jax.jit on state)",
+        _split_merge,
+        "Flax performance guide's functional loop: graphdef, state = nnx.split((model, "
+        "optimizer)) once; jax.jit(step)(graphdef, state, x, y) merges inside and returns "
+        "nnx.state(...); no donation (as written)",
+    ),
+}
+
+
+def methods(s: Setup, keys: Sequence[str], compute_steps: int = 100) -> list[Method]:
+    """The methods of `keys`: those of `CATALOGUE`; `autoflat_mut_{k}` (the mutation-style
+    step, the caller's objects written back after each call as nnx.jit does);
+    `autoflat_fn_{k}` (the functional step, handles passed back); `compute` (a jitted
+    `lax.scan` of `compute_steps` split/merge steps, donated: the device compute per step)."""
+    out: list[Method] = []
+    for key in keys:
+        k = int(key.rsplit("_", 1)[-1]) if key.startswith("autoflat") else 1
+        if key in CATALOGUE:
+            label, make, note = CATALOGUE[key]
+            cls = SplitMerge if key == "split_merge" else Method
+            out.append(cls(key, label, lambda make=make: make(s), note=note))
+        elif key.startswith("autoflat_mut"):
+            build = _mutating(lambda m, o, k=k: autoflat.step(train_step, num_steps=k))
+            note = (
+                f"autoflat.step(train_step, num_steps={k}) called with the caller's model and "
+                "optimizer every time (written back in place after each call, as nnx.jit does)"
+            )
+            label = f"autoflat num_steps={k} (mutation style)"
+            out.append(Method(key, label, lambda b=build: b(s), steps_per_call=k, note=note))
+        elif key.startswith("autoflat_fn"):
+            m = harness.autoflat_method(
+                key, functional_train_step, s.fresh, " (functional, handles)"
+            )
+            out.append(m)
+        elif key == "compute":
+            label = f"device compute (lax.scan of {compute_steps}, split/merge)"
+            note = (
+                f"jax.jit of a lax.scan of {compute_steps} split/merge steps (state donated): "
+                "an estimate of the compute per step"
+            )
+            make = lambda: _scan(s)  # noqa: E731
+            out.append(Method(key, label, make, steps_per_call=compute_steps, note=note))
+        else:
+            raise KeyError(key)
+    return out

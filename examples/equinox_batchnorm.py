@@ -108,7 +108,7 @@ def main() -> None:
     model, state = eqx.nn.make_with_state(CNN)(jax.random.key(0))
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
     print("The code autoflat runs (first lines of autoflat.show(update)):")
-    generated = autoflat.show(update, print_=False).splitlines()
+    generated = autoflat.show(update).splitlines()
     print("\n".join("    " + line for line in generated[:8]) + "\n    ...\n")
 
     epochs = 1 if args.smoke else args.epochs

@@ -132,7 +132,7 @@ def main() -> None:
         s = autoflat.stats(step)
         print(f"autoflat {name}: {s.calls} calls, {s.traces} compiles, {s.copies} copies")
     print("The code autoflat runs for train_step (first lines of autoflat.show):")
-    generated = autoflat.show(train_step, print_=False).splitlines()
+    generated = autoflat.show(train_step).splitlines()
     print("\n".join("    " + line for line in generated[:8]) + "\n    ...")
     print(f"final test accuracy: {history['test_accuracy'][-1]:.1%}")
 

@@ -3,7 +3,9 @@
 The update function is ordinary JAX + optax. `@autoflat.step(num_steps=10)` runs ten of them
 per call, with the parameters and optimizer state crossing `jax.jit` as flat leaf lists.
 The script prints the generated code, trains with a progress bar, reports test accuracy, and
-ends with the time per step of plain `jax.jit` against autoflat, measured in this run.
+ends with the time per step of plain `jax.jit` against autoflat, measured in this run the
+way the benchmarks measure it (`benchmarks/harness.py`): short blocks of each method in
+turn, every method continuing from the state its last block returned, medians with spreads.
 
     python examples/train_digits.py            # full run (about a minute on 2 CPU cores)
     python examples/train_digits.py --smoke    # a few steps, for CI
@@ -12,7 +14,8 @@ ends with the time per step of plain `jax.jit` against autoflat, measured in thi
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,9 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import autoflat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: its benchmarks
+from benchmarks import harness  # noqa: E402  (the benchmarks' timing harness)
 
 BLOCKS = 8
 WIDTH = 64
@@ -88,17 +94,6 @@ def epoch_batches(rng: np.random.Generator, x: np.ndarray, y: np.ndarray):
     return jnp.asarray(x[idx]), jnp.asarray(y[idx])
 
 
-def time_per_step(run, steps: int, repeats: int = 5) -> float:
-    """Median seconds per step of `run(steps)`, which must block on its result."""
-    run(steps)  # warm up (compile)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run(steps)
-        times.append((time.perf_counter() - start) / steps)
-    return float(np.median(times))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=30)
@@ -118,7 +113,7 @@ def main() -> None:
     n_leaves = len(jax.tree.leaves((params, opt_state)))
     print(f"state: {n_leaves} arrays (parameters and AdamW moments)\n")
     print("The code autoflat runs (first lines of autoflat.show(train_step)):")
-    generated = autoflat.show(train_step, print_=False).splitlines()
+    generated = autoflat.show(train_step).splitlines()
     print("\n".join("    " + line for line in generated[:14]) + "\n    ...\n")
 
     rng = np.random.default_rng(0)
@@ -141,41 +136,21 @@ def main() -> None:
         f"{stats.flattens} host flattens, {stats.traces} compiles, {stats.rebuilds} rebuilds\n"
     )
 
-    # Time per step, measured here: the same update three ways.
+    # Time per step, measured here: the same update three ways, from the same start.
     xs, ys = epoch_batches(rng, x_train, y_train)
-    steps = 10 if args.smoke else 40
-    fresh = init_params(jax.random.key(1))
-    plain = jax.jit(update)
-
-    def run_plain(n):
-        p, o = fresh, tx.init(fresh)
-        for i in range(n):
-            p, o, loss = plain(p, o, xs[i], ys[i])
-        jax.block_until_ready(loss)
-
-    def run_autoflat(k):
-        step = autoflat.step(update, num_steps=k)
-
-        def run(n):
-            p, o = fresh, tx.init(fresh)
-            for start in range(0, n, k):
-                if k == 1:
-                    p, o, loss = step(p, o, xs[start], ys[start])
-                else:
-                    p, o, loss = step(p, o, xs[start : start + k], ys[start : start + k])
-            jax.block_until_ready(loss)
-
-        return run
-
-    rows = [
-        ("plain jax.jit", time_per_step(run_plain, steps)),
-        ("autoflat num_steps=1", time_per_step(run_autoflat(1), steps)),
-        ("autoflat num_steps=10", time_per_step(run_autoflat(10), steps)),
+    start = init_params(jax.random.key(1))
+    state = lambda: harness.fresh((start, tx.init(start)))  # noqa: E731
+    plain = lambda: harness.Plan(lambda: jax.jit(update), state())  # noqa: E731
+    methods = [
+        harness.Method("jit", "plain jax.jit", plain),
+        harness.autoflat_method("autoflat_1", update, state),
+        harness.autoflat_method("autoflat_10", update, state),
     ]
-    base = rows[0][1]
-    print("| method | time per step | speed-up vs jax.jit |\n|---|---:|---:|")
-    for name, t in rows:
-        print(f"| {name} | {t * 1e6:8.1f} us | {base / t:5.2f}x |")
+    checks = [(xs[i], ys[i]) for i in range(harness.CHECK_STEPS)]
+    repeats, block_s = (2, 0.02) if args.smoke else (7, 0.3)
+    harness.check_and_time("time per step", methods, checks[0], checks, repeats, block_s)
+    print("\n".join(harness.step_table(harness.method_rows(methods), [("jit", "jax.jit")])))
+    print("(× jax.jit: time per step against plain jax.jit's; below 1 is faster)")
 
 
 if __name__ == "__main__":
