@@ -17,6 +17,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import _caches
 from ._codegen import GeneratedCode
 from ._errors import USER_ERROR_NOTE, where
 
@@ -93,6 +94,7 @@ def _find_code(code: types.CodeType, name: str) -> types.CodeType:
     raise RuntimeError(f"autoflat: no code object {name!r} in generated module")  # pragma: no cover
 
 
+@_caches.register
 def clear() -> None:
     """Drop the lines of every generated file from `linecache`."""
     for f in _registered:

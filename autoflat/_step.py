@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from . import _caches, _loading, _structure, _transport, _writeback
+from . import _caches
 from ._analysis import analyse, unwrap_function
 from ._call import finish, launch, prepare
 from ._diagnostics import Diagnostics, Stats
@@ -204,9 +204,3 @@ def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
 def _clear_steps() -> None:
     for step in list(_all_steps):
         step.clear_cache()
-
-
-_caches.register(_structure.clear)
-_caches.register(_transport.clear)
-_caches.register(_loading.clear)
-_caches.register(_writeback.clear)

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _caches
+
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
@@ -157,6 +159,7 @@ def flatten(value: Any) -> tuple[Structure, list[Any]]:
     return intern(treedef, leaves)
 
 
+@_caches.register
 def clear() -> None:
     with _lock:
         _interned.clear()

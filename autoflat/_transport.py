@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _caches
+
 PackMode = Literal[False, True, "auto"]
 
 # Under `pack="auto"`, leaves with at most this many elements are packed. Chosen from the
@@ -188,6 +190,7 @@ def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout
     return layout_for(avals, multi, mode)
 
 
+@_caches.register
 def clear() -> None:
     with _lock:
         _interned.clear()

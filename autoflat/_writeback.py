@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from . import _structure
+from . import _caches, _structure
 from ._analysis import Analysis
 from ._errors import CANNOT_WRITE_BACK, NOT_RETURNED, StateError, error
 from ._handles import _UNBUILT, LazyHandle
@@ -55,6 +55,7 @@ def all_ours(arrays: list[Any]) -> bool:
     return any(holder.holds(arrays) for holder in list(_holders))
 
 
+@_caches.register
 def clear() -> None:
     _written.clear()
 
