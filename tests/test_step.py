@@ -102,3 +102,30 @@ def test_pack_default_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOFLAT_PACK", "maybe")
     with pytest.raises(ValueError, match="AUTOFLAT_PACK"):
         autoflat.step(accumulate)
+
+
+def test_a_dropped_step_is_freed_with_its_broadcast_arrays():
+    import gc
+    import weakref
+
+    import jax
+
+    def make():
+        def update(params, x, teacher):
+            params = params + x * jnp.sum(teacher)
+            return params
+
+        return update
+
+    gc.collect()
+    before = len(jax.live_arrays())
+    refs = []
+    for _ in range(3):
+        step = autoflat.step(make(), broadcast="teacher")
+        out = step(jnp.zeros(8), jnp.ones(8), jnp.ones(64))
+        refs.append(weakref.ref(step))
+        del step, out
+    gc.collect()
+    # Nothing outside the step (JAX's caches included) keeps it, its programs or its arrays.
+    assert [r() for r in refs] == [None, None, None]
+    assert len(jax.live_arrays()) == before
