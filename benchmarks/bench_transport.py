@@ -48,7 +48,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks`, this autoflat
 
 import autoflat  # noqa: E402
-from autoflat import _transport  # noqa: E402
 from benchmarks import harness, models  # noqa: E402
 from benchmarks.harness import Method, Plan, perf  # noqa: E402
 
@@ -235,7 +234,7 @@ def main() -> None:
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     harness.log("\n".join(harness.environment_lines(harness.machine(), harness.versions())))
-    harness.log(f"pack='auto' packs leaves of at most {_transport.AUTO_MAX_ELEMENTS} elements")
+    harness.log(f"pack='auto' packs leaves of at most {harness.PRIVATE.auto_max_elements} elements")
     if args.sweep:
         sizes = [128, 256, 512, 1_024, 2_048, 4_096, 16_384]
         harness.log("leaf-size sweep: 48 leaves of each size with Adam (144 arrays), num_steps=1")

@@ -83,8 +83,11 @@ def autoflat_private() -> SimpleNamespace:
     - `stub_compiled_call(step, *args)`: call `step(*args)`, then replace the step's
       `jax.jit` object (called as `fn(spec, *lowered.args)`) with a
       stub returning that call's outputs; returns the call's result (report section 1 times
-      the Python call path without JAX's dispatch).
+      the Python call path without JAX's dispatch);
+    - `auto_max_elements`: the largest leaf `pack="auto"` packs (bench_transport prints it).
     """
+    from autoflat import _transport
+
     get = object.__getattribute__
 
     def handle_roundtrip(handles: list[Any]) -> Callable[[int], float]:
@@ -119,6 +122,7 @@ def autoflat_private() -> SimpleNamespace:
         buffers=lambda h: list(get(h, "_af_arrays")),
         handle_roundtrip=handle_roundtrip,
         stub_compiled_call=stub_compiled_call,
+        auto_max_elements=_transport.AUTO_MAX_ELEMENTS,
     )
 
 
@@ -756,8 +760,9 @@ def memory_table(mem: dict[str, Any]) -> list[str]:
         else [x["method"], "failed", "", "", ""]
         for x in mem["rows"]
     ]
+    source = f" ({mem['source']})" if "source" in mem else ""
     return [
-        f'Memory ({mem.get("source", "")}): measured with {mem["method"]}. "Held across a '
+        f'Memory{source}: measured with {mem["method"]}. "Held across a '
         "call\": the state's live bytes right after one call while the caller still holds "
         "the previous state (donated buffers are deleted and do not count), i.e. what a "
         'step needs at its peak besides temporaries; "steady": after the previous state '

@@ -1,6 +1,6 @@
 """A ResNet50-shaped Flax NNX model with very narrow channels, for measuring host overhead.
 
-The Flax NNX counterpart of `models.NarrowResNet50`, with the same structure:
+The Flax NNX counterpart of `models.make_model`'s narrow ResNet50, with the same structure:
 
 - a stem: 7x7 stride-2 convolution, norm, ReLU, 3x3 stride-2 max pool;
 - four stages of bottleneck blocks, [3, 4, 6, 3] blocks, each bottleneck with three
@@ -13,11 +13,12 @@ conv kernels, 53 norm scales, 53 norm biases, the linear kernel and bias). Every
 `width` channels wide inside and `4 * width` outside, so the compute is tiny and a training
 step is dominated by the per-call host work of whatever runs it.
 
-Images are NHWC (Flax's layout). The default norm (`Norm`) matches the Equinox model's: a
-per-channel scale and bias, normalising over the batch and spatial axes of the batch it is
-given, with no running statistics, so the only state a train step changes is the parameters
-and the optimizer. `batchnorm=True` uses `nnx.BatchNorm` instead (training mode: it also
-updates running statistics, 106 more `nnx.BatchStat` arrays mutated by every step).
+Images are NHWC, as for the Equinox model (whose `make_batch` this is). The default norm
+(`Norm`) matches the Equinox model's: a per-channel scale and bias, normalising over the batch
+and spatial axes of the batch it is given, with no running statistics, so the only state a
+train step changes is the parameters and the optimizer. `batchnorm=True` uses `nnx.BatchNorm`
+instead (training mode: it also updates running statistics, 106 more `nnx.BatchStat` arrays
+mutated by every step).
 
 The train steps:
 
@@ -25,6 +26,8 @@ The train steps:
   (`optimizer.update(model, grads)`, returns the loss);
 - `functional_train_step(model, optimizer, x, y)`: the same, returning
   `model, optimizer, loss`.
+
+`methods` builds the ways of running them that `report.py` compares (`harness.Method`s).
 """
 
 from __future__ import annotations
