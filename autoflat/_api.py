@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar, overload
 
 from . import _caches
@@ -28,9 +28,10 @@ def step(
     fn: _F,
     *,
     num_steps: int = 1,
-    state: str | Iterable[str] | None = None,
+    state: str | Iterable[str] | Mapping[str, int] | None = None,
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
+    per_step: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
@@ -42,9 +43,10 @@ def step(
 def step(
     *,
     num_steps: int = 1,
-    state: str | Iterable[str] | None = None,
+    state: str | Iterable[str] | Mapping[str, int] | None = None,
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
+    per_step: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
@@ -56,9 +58,10 @@ def step(
     fn: Any = _sentinel,
     *,
     num_steps: int = 1,
-    state: str | Iterable[str] | None = None,
+    state: str | Iterable[str] | Mapping[str, int] | None = None,
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
+    per_step: str | Iterable[str] | None = None,
     donate: bool = True,
     unroll: int | bool = 1,
     lazy: bool = True,
@@ -77,11 +80,18 @@ def step(
     - `num_steps`: steps per call. With `k > 1`, per-step inputs carry a leading axis of
       length `k` (a final chunk may be shorter) and per-step outputs are stacked along one.
       With 1 (the default), nothing gets a leading axis: a drop-in for `jax.jit(fn)`.
-    - `state`: parameter name(s) to carry as state even if the source does not show it
-      (inferred otherwise: returned by name, assigned into, or a mutable module).
+    - `state`: parameter name(s) to carry as state when the source does not return them by
+      name, or a mapping `{"p": 0}` from parameter to the return position that gives back its
+      new value. Inferred otherwise: returned by name, assigned into, a mutable module, or a
+      return position whose abstract value matches the parameter's at the first call (see
+      the Roles page). A declared state that no return position matches is an error.
     - `broadcast`: parameter name(s) whose value is the same for every step of a call.
     - `static_argnames`: parameter name(s) with hashable Python values that select a compiled
       version.
+    - `per_step`: parameter name(s) sliced along their leading axis, one slice per step.
+      Inferred otherwise at the first call: with `num_steps=k > 1`, arrays whose every leaf
+      has a leading axis of k are per-step, arrays without it are broadcast, Python scalars
+      and strings are static, and objects JAX cannot trace are broadcast.
     - `donate`: donate the buffers of state that autoflat itself produced in an earlier call
       (the caller's own arrays are never donated). Handles passed to a donating call are
       consumed.
@@ -131,6 +141,7 @@ def step(
             state=state,
             broadcast=broadcast,
             static_argnames=static_argnames,
+            per_step=per_step,
             donate=donate,
             unroll=unroll,
             lazy=lazy,

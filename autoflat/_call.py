@@ -26,13 +26,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from . import _loading, _nnx, _transport, _writeback
 from ._errors import BAD_CALL, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
 from ._program import CallSpec, Program
-from ._structure import FlatState, Placement, Structure, flatten, placement_of
+from ._structure import (
+    FlatState,
+    Placement,
+    Structure,
+    flatten,
+    intern,
+    is_array,
+    placement_of,
+)
 from ._transport import Layout
 
 
@@ -89,11 +98,11 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Everything the launch needs, from the call's arguments (see the module doc)."""
     if kwargs or len(args) != step._n_params:
         args = bind(step, args, kwargs)
-    program = step._programs.for_args(args, step._may_mutate)
+    program, to_array = step._programs.for_args(args, step._may_mutate)
     call = Call()
     call.args = args
     call.program = program
-    structures, leaves, placements, layouts = _take_state(step, call)
+    structures, leaves, placements, layouts = _take_state(step, call, to_array)
     bcast_structures, call.bcast_leaves = _take_broadcast(step, program, args)
     for k, i in program.written_back_idx:
         if type(args[i]) is not LazyHandle:
@@ -106,7 +115,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
 
 
 def _take_state(
-    step: Any, call: Call
+    step: Any, call: Call, to_array: tuple[tuple[int, ...], ...]
 ) -> tuple[list[Structure], list[list[Any]], list[Placement | None], list[Layout | None]]:
     args, program = call.args, call.program
     stats = step._diag.stats
@@ -151,8 +160,19 @@ def _take_state(
             call.donated.append(a)
             stats.fast_path += 1
             continue
-        structure, arrays = flatten(LazyHandle._af_get(a) if type(a) is LazyHandle else a)
-        stats.flattens += 1
+        if type(a) is LazyHandle:
+            a = LazyHandle._af_get(a)
+        if to_array[k]:
+            structure, arrays = _with_arrays(a, to_array[k])
+            stats.flattens += 1
+        else:
+            structure, arrays = flatten(a)
+            if is_array(a) or not arrays:
+                # State that is one array, or has none, comes back as it is (not a handle):
+                # passing it back is the fast path though it is not a handle (no tree).
+                stats.fast_path += 1
+            else:
+                stats.flattens += 1
         placement = placement_of(arrays)
         unpacked[k] = arrays
         layout = _transport.host_layout(arrays, placement, step.pack)
@@ -187,6 +207,16 @@ def _take_state(
                 leaves[k] = copy_leaves(leaves[k])
             seen.add(id(a))
     return structures, leaves, placements, layouts
+
+
+def _with_arrays(value: Any, indices: tuple[int, ...]) -> tuple[Structure, list[Any]]:
+    """Flatten `value` with the Python scalars at these leaf indices made arrays (they come
+    back from the step as arrays: `TrainState.step`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    for i in indices:
+        if not is_array(leaves[i]):
+            leaves[i] = jnp.asarray(leaves[i])
+    return intern(treedef, leaves)
 
 
 def _take_broadcast(
@@ -270,11 +300,18 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
 
 
 def new_handles(step: Any, spec: CallSpec, state_out: tuple[FlatState, ...]) -> list[Any]:
-    """New lazy handles over a call's state outputs."""
+    """New lazy handles over a call's state outputs; state that is one array, or has no
+    arrays (`None`, a Python int or string), is returned as it is."""
     origin = step._origin
     names = spec.program.roles.state
-    handles = []
+    handles: list[Any] = []
     for k, flat in enumerate(state_out):
+        structure = flat.structure
+        if flat.layout is None and (
+            structure.n_arrays == 0 or jax.tree_util.treedef_is_leaf(structure.treedef)
+        ):
+            handles.append(structure.unflatten(flat.arrays))
+            continue
         placement = spec.placements[k]
         if placement is not None and flat.structure is not spec.structures[k]:
             placement = placement_of(flat.arrays)

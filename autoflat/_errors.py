@@ -253,3 +253,48 @@ Calling the compiled `{name}` ({where}) with arguments whose structures, static 
 shardings or roles differ from those it was lowered with. Lower it again for these arguments \
 (`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
 """
+
+AMBIGUOUS_STATE = """\
+`{name}` ({where}): return position(s) {positions} could each be the new value of more than \
+one parameter ({candidates}): they have the same tree structure, shapes and dtypes, and the \
+step does not return them by name or in parameter order. Say which position returns which \
+state, for example:
+
+    @autoflat.step(..., state={{"{param}": 0}})
+
+or return the state by name (`{param} = ...` then `return {param}, ...`).
+"""
+
+STATE_NOT_MATCHED = """\
+`{name}` ({where}): `{param}` is named in state= but no `return` gives back a value with its \
+tree structure, shapes and dtypes ({returns}), and the body does not assign into it. State \
+must come back from every step, or it would be carried unchanged. Return its new value:
+
+    {param} = ...
+    return {param}, ...
+
+or say at which return position it comes back: `state={{"{param}": 0}}`. If it is the same \
+for every step, pass it as broadcast="{param}" instead.
+"""
+
+MIXED_ARGUMENT = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
+leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \
+autoflat cannot tell whether `{param}` is a per-step input or the same for every step. Split \
+it into two arguments, or say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
+    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
+"""
+
+SHORT_FIRST_CHUNK = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: no argument has a leading axis of \
+{num_steps}, and every array of `{param}` has a leading axis of {length}. This first call is \
+either a short chunk of {length} steps or one value reused by every step (a full batch); \
+autoflat will not guess. Say which:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # {length} steps, one slice each
+    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same `{param}` each step
+
+or pass a first chunk of {num_steps} steps (shorter final chunks are fine after it).
+"""

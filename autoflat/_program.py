@@ -25,7 +25,9 @@ from . import _loading, _transport
 from ._analysis import Analysis
 from ._codegen import GeneratedCode, generate
 from ._errors import UNHASHABLE_STATIC, CallError, error
-from ._roles import Options, Roles, assign_roles, is_mutable_module
+from ._handles import LazyHandle
+from ._infer import arg_kinds, infer
+from ._roles import Options, Roles, assign_roles
 from ._structure import FlatState, Placement, Structure
 from ._tracing import HELPERS
 from ._transport import Layout, PackMode
@@ -84,7 +86,7 @@ class Programs:
         self._user_fn = user_fn
         self._num_steps = num_steps
         self._by_roles: dict[Roles, Program] = {}
-        self._by_mutable: dict[frozenset[str], Program] = {}
+        self._plans: dict[Any, tuple[Program, tuple[tuple[int, ...], ...]]] = {}
         # Roles from the source and options alone; made now so bad returns fail at decoration.
         self.base = self._get(assign_roles(analysis, options))
 
@@ -108,20 +110,20 @@ class Programs:
             program = self._by_roles[roles] = Program(roles, generated, fn, filename)
         return program
 
-    def for_args(self, args: tuple[Any, ...], may_mutate: bool) -> Program:
-        """The program for a call: a Flax NNX module passed as a per-step input is state."""
-        base = self.base
-        if not may_mutate:
-            return base
-        params = base.roles.params
-        mutable = frozenset(params[i] for i in base.scanned_idx if is_mutable_module(args[i]))
-        if not mutable:
-            return base
-        program = self._by_mutable.get(mutable)
-        if program is None:
-            roles = assign_roles(self._analysis, self._options, mutable)
-            program = self._by_mutable[mutable] = self._get(roles)
-        return program
+    def for_args(
+        self, args: tuple[Any, ...], may_mutate: bool
+    ) -> tuple[Program, tuple[tuple[int, ...], ...]]:
+        """The program for a call, and the Python scalar leaves of each state argument that
+        become arrays: roles are inferred at the first call with arguments of these types
+        (`_infer`) and kept for every later one."""
+        key = (arg_kinds(args, LazyHandle), may_mutate)
+        plan = self._plans.get(key)
+        if plan is None:
+            inferred = infer(
+                self._analysis, self._options, self._num_steps, self._user_fn, args, may_mutate
+            )
+            plan = self._plans[key] = (self._get(inferred.roles), inferred.to_array)
+        return plan
 
     def all(self) -> list[Program]:
         return list(self._by_roles.values())

@@ -1,9 +1,11 @@
-"""Stage 2: give every parameter a role, from the analysis, the options and run-time types.
+"""Stage 2: give every parameter a role, from the analysis, the options and what the first
+call settled (`_infer`).
 
 - *state*: carried from step to step, crossing the jit boundary as leaves of a cached
   structure. A parameter is state if every `return` returns it by name at the same position,
-  if the body assigns into it, if its run-time value is a mutable module object, or if the user
-  names it in `state=`.
+  if a return position matches it by abstract value (`RunTime.matched`), if the body assigns
+  into it, if its run-time value is a mutable module object, or if the user names it in
+  `state=`.
 - *scanned*: per-step data with a leading axis of `num_steps` (or, with `num_steps=1`, the
   per-call input as it is).
 - *broadcast*: the same value for every step of one call.
@@ -40,8 +42,21 @@ class Options:
     state: frozenset[str] = frozenset()
     broadcast: frozenset[str] = frozenset()
     static: frozenset[str] = frozenset()
+    per_step: frozenset[str] = frozenset()
+    # `state={"p": 0}`: state parameters with the return position that gives them back.
+    state_at: tuple[tuple[str, int], ...] = ()
     # A method's instance (`self`), broadcast without the user asking.
     instance: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTime:
+    """What the first call settled that the source could not (see `_infer`): a role and its
+    evidence for parameters the source and options left open, and return positions matched to
+    parameters by abstract value."""
+
+    kinds: tuple[tuple[str, Role, str], ...] = ()
+    matched: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +125,7 @@ def check_options(analysis: Analysis, options: Options) -> None:
         ("state=", options.state),
         ("broadcast=", options.broadcast),
         ("static_argnames=", options.static),
+        ("per_step=", options.per_step),
     ):
         for p in sorted(group):
             if p not in names:
@@ -127,33 +143,12 @@ def check_options(analysis: Analysis, options: Options) -> None:
             seen[p] = label
 
 
-def assign_roles(
-    analysis: Analysis, options: Options, mutable_at_run_time: frozenset[str] = frozenset()
-) -> Roles:
-    """Combine source analysis, explicit options and run-time types into `Roles`.
-
-    **Arguments:**
-
-    - `analysis`: the step function's `Analysis`.
-    - `options`: explicit role options.
-    - `mutable_at_run_time`: parameters whose values in this call are mutable module objects.
-
-    **Returns:**
-
-    A `Roles` value.
-
-    **Raises:**
-
-    `OptionError` for options that do not fit the parameters (see `check_options`);
-    `SourceError` when the returns disagree about which state they return where.
-    """
-    check_options(analysis, options)
+def returned_by_name(analysis: Analysis, options: Options) -> dict[str, int]:
+    """Parameters that every `return` gives back by name, at the same position."""
     params = analysis.param_names
-    explicit = options.broadcast | options.static | {options.instance}
+    explicit = options.broadcast | options.static | options.per_step | {options.instance}
     returns = analysis.returns
     first = returns[0] if returns else None
-
-    # Positions that return a parameter by name in every return statement.
     returned_at: dict[str, int] = {}
     if first is not None and first.kind != "none":
         for pos, name in enumerate(first.names):
@@ -168,6 +163,45 @@ def assign_roles(
             for pos, name in enumerate(r.names):
                 if name in returned_at and returned_at[name] != pos:
                     raise _disagree(analysis, first, r)
+    return returned_at
+
+
+def assign_roles(
+    analysis: Analysis,
+    options: Options,
+    mutable_at_run_time: frozenset[str] = frozenset(),
+    run_time: RunTime | None = None,
+) -> Roles:
+    """Combine source analysis, explicit options and run-time types into `Roles`.
+
+    **Arguments:**
+
+    - `analysis`: the step function's `Analysis`.
+    - `options`: explicit role options.
+    - `mutable_at_run_time`: parameters whose values in this call are mutable module objects.
+    - `run_time`: what the first call settled (`_infer`); None at decoration, where every
+      parameter the source leaves open is a per-step input.
+
+    **Returns:**
+
+    A `Roles` value.
+
+    **Raises:**
+
+    `OptionError` for options that do not fit the parameters (see `check_options`);
+    `SourceError` when the returns disagree about which state they return where.
+    """
+    check_options(analysis, options)
+    params = analysis.param_names
+    returns = analysis.returns
+    first = returns[0] if returns else None
+    returned_at = returned_by_name(analysis, options)
+    kinds: dict[str, tuple[Role, str]] = {}
+    matched: dict[str, tuple[int, str]] = {}
+    if run_time is not None:
+        kinds = {p: (role, why) for p, role, why in run_time.kinds}
+        matched = {p: (pos, why) for p, pos, why in run_time.matched}
+    positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
 
     assigned_line = dict(analysis.assigned_lines)
     roles: list[Role] = []
@@ -182,9 +216,15 @@ def assign_roles(
         elif p in options.broadcast:
             roles.append("broadcast")
             reasons.append("broadcast=")
+        elif p in options.per_step:
+            roles.append("scanned")
+            reasons.append("per_step=")
         elif p in returned_at:
             roles.append("state")
             reasons.append("returned")
+        elif p in matched:
+            roles.append("state")
+            reasons.append(matched[p][1])
         elif p in options.state:
             roles.append("state")
             reasons.append("state=")
@@ -194,6 +234,9 @@ def assign_roles(
         elif p in mutable_at_run_time:
             roles.append("state")
             reasons.append("mutable module at run time")
+        elif p in kinds:
+            roles.append(kinds[p][0])
+            reasons.append(kinds[p][1])
         else:
             roles.append("scanned")
             reasons.append("per-step input")
@@ -203,9 +246,11 @@ def assign_roles(
     out_index = 0
     kind = first.kind if first is not None else "none"
     if first is not None:
-        for pos, name in enumerate(first.names):
-            if name is not None and returned_at.get(name) == pos:
-                entries.append(("state", state.index(name)))
+        by_position = {pos: p for p, pos in positions.items()}
+        for pos in range(len(first.names) if first.kind != "single" else 1):
+            owner = by_position.get(pos)
+            if owner is not None and owner in state:
+                entries.append(("state", state.index(owner)))
             else:
                 entries.append(("out", out_index))
                 out_index += 1

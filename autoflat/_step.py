@@ -13,7 +13,7 @@ import functools
 import inspect
 import sys
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -57,9 +57,10 @@ class Step:
         fn: Callable[..., Any],
         *,
         num_steps: int = 1,
-        state: str | Iterable[str] | None = None,
+        state: str | Iterable[str] | Mapping[str, int] | None = None,
         broadcast: str | Iterable[str] | None = None,
         static_argnames: str | Iterable[str] | None = None,
+        per_step: str | Iterable[str] | None = None,
         donate: bool = True,
         unroll: int | bool = 1,
         lazy: bool = True,
@@ -67,14 +68,16 @@ class Step:
     ) -> None:
         self._user_fn = unwrap_function(fn)
         analysis = self._analysis = analyse(fn)
-        state_, broadcast_, static_ = (
+        state_, broadcast_, static_, per_step_ = (
             _names(value, option, analysis)
             for value, option in (
                 (state, "state"),
                 (broadcast, "broadcast"),
                 (static_argnames, "static_argnames"),
+                (per_step, "per_step"),
             )
         )
+        state_at = _positions(state, analysis)
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise error(OptionError, BAD_NUM_STEPS, analysis, value=num_steps)
         if not (pack is False or pack is True or pack == "auto"):
@@ -89,7 +92,14 @@ class Step:
             # A method: the instance is the same for every step (its arrays, if it is a pytree,
             # are broadcast; anything else is static).
             instance = params[0]
-        options = Options(state=state_, broadcast=broadcast_, static=static_, instance=instance)
+        options = Options(
+            state=state_,
+            broadcast=broadcast_,
+            static=static_,
+            per_step=per_step_,
+            state_at=state_at,
+            instance=instance,
+        )
         self.num_steps = num_steps
         self.donate = bool(donate)
         self.unroll = unroll
@@ -190,6 +200,8 @@ def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
         return frozenset()
     if isinstance(value, str):
         return frozenset({value})
+    if isinstance(value, Mapping):
+        value = list(value)
     try:
         names = frozenset(value)
     except TypeError:
@@ -198,6 +210,16 @@ def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
         if not isinstance(n, str):
             raise error(OptionError, BAD_NAMES, analysis, option=option, value=value)
     return names
+
+
+def _positions(value: Any, analysis: Any) -> tuple[tuple[str, int], ...]:
+    """`state={"p": 0}`: each state parameter with the return position that gives it back."""
+    if not isinstance(value, Mapping):
+        return ()
+    for pos in value.values():
+        if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+            raise error(OptionError, BAD_NAMES, analysis, option="state", value=value)
+    return tuple(sorted(value.items()))
 
 
 @_caches.register

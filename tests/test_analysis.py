@@ -268,9 +268,15 @@ def test_state_option_on_a_value_not_returned_by_name():
     def f(w, x):
         return w + x
 
-    step = autoflat.step(f, state="w")
-    with pytest.raises(autoflat.AutoflatError, match="no `return` gives it back by name"):
-        step(jnp.ones(2), jnp.ones(2))
+    step = autoflat.step(f, state="w")  # matched by value: `w + x` is the new `w`
+    assert float(step(jnp.ones(2), jnp.ones(2))[0]) == 2.0
+    assert "# w: state (matched by value to return position 0)" in step.source
+
+    def g(w, x):
+        return jnp.sum(w * x)
+
+    with pytest.raises(autoflat.OptionError, match="`w` is named in state= but no `return`"):
+        autoflat.step(g, state="w")(jnp.ones(2), jnp.ones(2))
 
 
 def test_source_edited_since_import_is_a_clear_error(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -50,11 +51,11 @@ def test_a_recompile_warning_raised_as_an_error_loses_no_caller_state():
         state["total"] = state["total"] + jnp.sum(x)  # mutation style: written back
 
     def total(state, x):
-        state = state + jnp.sum(x)
+        state = jax.tree.map(lambda t: t + jnp.sum(x), state)
         return state
 
     step = autoflat.step(total)
-    s = step(jnp.float32(0.0), jnp.ones(1))
+    s = step({"t": jnp.float32(0.0)}, jnp.ones(1))
     with warnings.catch_warnings():
         warnings.simplefilter("error", autoflat.AutoflatRecompileWarning)
         with pytest.raises(autoflat.AutoflatRecompileWarning):
@@ -63,7 +64,19 @@ def test_a_recompile_warning_raised_as_an_error_loses_no_caller_state():
                 s = step(s, jnp.ones(n))
     # The call that warned donated `old`: it says so, rather than failing inside JAX.
     with pytest.raises(autoflat.AutoflatError, match="consumed"):
-        float(old)
+        float(old["t"])
+
+    # State that is one array comes back as the array; passed back, it is copied before the
+    # donation, so the input of the call that warned is intact.
+    step = autoflat.step(total)
+    s = step(jnp.float32(0.0), jnp.ones(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoflat.AutoflatRecompileWarning)
+        with pytest.raises(autoflat.AutoflatRecompileWarning):
+            for n in range(2, RECOMPILE_WARN_AFTER + 2):
+                old = s
+                s = step(s, jnp.ones(n))
+    assert float(old) == sum(range(1, RECOMPILE_WARN_AFTER))  # the input of the warned call
 
     writer = autoflat.step(add_x)
     state = {"total": jnp.zeros(())}

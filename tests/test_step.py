@@ -75,10 +75,14 @@ def test_errors_are_catchable_by_kind():
         autoflat.step(scaled, static_argnames="scale")(jnp.zeros(()), jnp.ones(()), [2.0])
     assert isinstance(info.value, autoflat.CallError)
 
-    total, _ = autoflat.step(accumulate)(jnp.zeros(()), jnp.ones(()))
-    autoflat.step(accumulate)(total, jnp.ones(()))  # donates `total`
+    def acc_dict(total, x):
+        total = {"t": total["t"] + x}
+        return total
+
+    total = autoflat.step(acc_dict)({"t": jnp.zeros(())}, jnp.ones(()))
+    autoflat.step(acc_dict)(total, jnp.ones(()))  # donates the handle `total`
     with pytest.raises(RuntimeError, match="consumed") as info:
-        float(total)
+        float(total["t"])
     assert isinstance(info.value, autoflat.ConsumedError)
 
 

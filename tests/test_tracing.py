@@ -38,13 +38,18 @@ def test_remainder_chunk_and_length_errors():
 
 
 def test_inconsistent_leading_axes():
-    @autoflat.step(num_steps=3)
     def two(state, x, y):
         state = state + jnp.sum(x) + jnp.sum(y)
         return state
 
-    with pytest.raises(autoflat.AutoflatError, match=r"disagree on their leading axis: \[2, 3\]"):
-        two(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+    declared = autoflat.step(two, num_steps=3, per_step=("x", "y"))
+    with pytest.raises(autoflat.ShapeError, match=r"disagree on their leading axis: \[2, 3\]"):
+        declared(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+    # Undeclared, an array without the leading axis of num_steps is the same for every step.
+    inferred = autoflat.step(two, num_steps=3)
+    out = inferred(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+    assert float(out) == 3 * (2 + 4)
+    assert "# y: broadcast (no leading axis of num_steps=3 at the first call)" in inferred.source
 
 
 def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():

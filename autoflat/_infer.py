@@ -1,0 +1,443 @@
+"""First-call role inference: what the source leaves open, settled by the first call's values.
+
+The source says which parameters are state when it returns them by name or assigns into them.
+At a step's first call (and again for arguments of other types) `infer` settles the rest:
+
+- **Per-step, broadcast or static, by run-time type and shape.** An argument the source and
+  options leave open is, with `num_steps=k > 1`: per-step if every array leaf has a leading
+  axis of k; broadcast if none has (a reused key, a full batch, a teacher's weights) or if it
+  holds values JAX cannot trace (an Equinox module's functions, an optax
+  `GradientTransformation`); static if it is a hashable Python scalar or string (as in
+  `eqx.filter_jit`). Mixed arguments, and a first call whose only candidates all have a
+  shorter leading axis (a short first chunk, or a full batch reused?), are errors naming the
+  argument and the option that settles it. With `num_steps=1` arrays and Python numbers are
+  passed as they are (as `jax.jit` passes them); strings are static and objects JAX cannot
+  trace are broadcast.
+- **State by abstract value.** One step is evaluated abstractly (`jax.eval_shape`: no compile)
+  and each return position that does not return a parameter by name is matched to the
+  parameter whose abstract value (tree structure, shapes, dtypes) it equals. A container or
+  module matches at any position, a bare array only at its own parameter's position (so a loss
+  is never taken for a scalar input). One candidate: state. Several: the parameter at the same
+  position, else an error listing them with the `state=` that settles it. A parameter named in
+  `state=` that no position matches is an error: never an old value carried unchanged.
+- **Python scalars in state that a step changes** (`TrainState.step`, counted up from a
+  Python int) become arrays before the first call (`Inferred.to_array`), so the step compiles
+  once, as under `jax.jit`; scalars a step gives back unchanged stay static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._analysis import Analysis
+from ._errors import (
+    AMBIGUOUS_STATE,
+    MIXED_ARGUMENT,
+    SHORT_FIRST_CHUNK,
+    STATE_NOT_MATCHED,
+    OptionError,
+    ShapeError,
+    error,
+)
+from ._roles import Options, Role, Roles, RunTime, assign_roles, is_mutable_module, returned_by_name
+from ._structure import is_array
+
+_SCALARS = (bool, int, float, complex)
+_STATIC_SCALARS = (str, bytes, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Inferred:
+    """The roles of one kind of call, and the Python scalar leaves of each state argument that
+    become arrays (by leaf index, per state position)."""
+
+    roles: Roles
+    to_array: tuple[tuple[int, ...], ...]
+
+
+def arg_kinds(args: tuple[Any, ...], handle_type: type) -> tuple[Any, ...]:
+    """What selects the inferred roles of a call: each argument's type (a handle's object's)."""
+    return tuple(a.__class__ if type(a) is handle_type else type(a) for a in args)
+
+
+def infer(
+    analysis: Analysis,
+    options: Options,
+    num_steps: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    may_mutate: bool,
+) -> Inferred:
+    """The roles of a call with these arguments (see the module doc)."""
+    params = analysis.param_names
+    returned_at = returned_by_name(analysis, options)
+    explicit = (options.static | options.broadcast | options.per_step | {options.instance}) - {None}
+    by_source = set(returned_at) | set(analysis.assigned)
+    mutable = frozenset(
+        p
+        for p, a in zip(params, args, strict=True)
+        if may_mutate and p not in explicit | by_source and is_mutable_module(a)
+    )
+    open_ = [
+        p for p in params if p not in explicit | by_source | mutable and p not in options.state
+    ]
+    values = dict(zip(params, args, strict=True))
+    kinds = {p: _kind(analysis, p, values[p], num_steps) for p in open_}
+    if num_steps > 1:
+        _check_first_chunk(analysis, kinds, values, num_steps, options)
+    # Each parameter's role for the abstract evaluation (candidates count as broadcast).
+    for_eval: dict[str, Role] = {p: kinds[p][0] if p in kinds else "state" for p in params}
+    for p in options.static:
+        for_eval[p] = "static"
+    for p in options.per_step:
+        for_eval[p] = "scanned"
+
+    # State by abstract value: candidates are open broadcast-like arguments and declared state
+    # that is neither returned by name nor assigned into.
+    declared = {p for p in options.state if p not in by_source}
+    candidates = [
+        p for p in params if p in declared or _candidate(kinds.get(p), values[p], num_steps)
+    ]
+    first = analysis.returns[0] if analysis.returns else None
+    matched: dict[str, tuple[int, str]] = {}
+    state_at = dict(options.state_at)
+    for p, pos in state_at.items():
+        matched[p] = (pos, f"state= at return position {pos}")
+    open_positions = []
+    if first is not None and first.kind != "none":
+        taken = set(returned_at.values()) | set(state_at.values())
+        open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
+    pending = [p for p in candidates if p not in matched]
+    if pending and open_positions:
+        out = _eval_one_step(fn, params, values, for_eval, num_steps)
+        outputs = _positions(first, out)
+        carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
+        matched.update(
+            _match(analysis, params, values, pending, open_positions, outputs, declared, carried)
+        )
+    else:
+        out = outputs = None
+    missing = sorted(p for p in declared if p not in matched)
+    if missing:
+        raise error(
+            OptionError,
+            STATE_NOT_MATCHED,
+            analysis,
+            param=missing[0],
+            returns="; ".join(r.describe() for r in analysis.returns) or "no return",
+        )
+    run_kinds = tuple((p, role, why) for p, (role, why) in kinds.items() if p not in matched)
+    run_time = RunTime(
+        kinds=run_kinds, matched=tuple((p, pos, why) for p, (pos, why) in matched.items())
+    )
+    roles = assign_roles(analysis, options, mutable, run_time)
+    positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
+    to_array = _to_array(analysis, fn, roles, values, positions, for_eval, num_steps, out)
+    return Inferred(roles, to_array)
+
+
+def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> bool:
+    """Whether an open argument may turn out to be state returned under another name: with
+    num_steps > 1 what is the same every step; with 1, containers and modules (a bare array
+    gains nothing from being state at one step a call, and is returned as it is)."""
+    if kind is None or kind[0] == "static":
+        return False
+    if num_steps > 1:
+        return kind[0] == "broadcast"
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+
+
+def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role, str]:
+    """The role of an argument the source and options leave open, from its value."""
+    if isinstance(value, _STATIC_SCALARS) or (num_steps > 1 and isinstance(value, _SCALARS)):
+        return "static", f"a Python {type(value).__name__}, static as in eqx.filter_jit"
+    leaves = jax.tree_util.tree_leaves(value)
+    untraceable = [x for x in leaves if not (is_array(x) or isinstance(x, _SCALARS))]
+    if untraceable:
+        return "broadcast", f"{_describe(value)}, holds values JAX cannot trace"
+    if num_steps == 1:
+        return "scanned", "per-step input"
+    arrays = [x for x in leaves if is_array(x)]
+    with_axis = [x for x in arrays if np.ndim(x) >= 1 and np.shape(x)[0] == num_steps]
+    if arrays and len(with_axis) == len(leaves):
+        return "scanned", f"per-step: leading axis {num_steps} = num_steps at the first call"
+    if not with_axis:
+        return "broadcast", f"no leading axis of num_steps={num_steps} at the first call"
+    paths = jax.tree_util.tree_flatten_with_path(value)[0]
+    bad = next(
+        (path, leaf)
+        for path, leaf in paths
+        if not (is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == num_steps)
+    )
+    raise error(
+        ShapeError,
+        MIXED_ARGUMENT,
+        analysis,
+        param=p,
+        path=f"{p}{jax.tree_util.keystr(bad[0])}",
+        shape=_shape_of(bad[1]),
+        num_steps=num_steps,
+    )
+
+
+def _check_first_chunk(
+    analysis: Analysis,
+    kinds: dict[str, tuple[Role, str]],
+    values: dict[str, Any],
+    num_steps: int,
+    options: Options,
+) -> None:
+    """A first call with no per-step argument, where an argument's array leaves all share a
+    leading axis shorter than num_steps, is ambiguous: a short first chunk, or a batch reused
+    for every step? The user says which."""
+    if options.per_step or any(role == "scanned" for role, _ in kinds.values()):
+        return
+    for p, (role, _) in kinds.items():
+        if role != "broadcast":
+            continue
+        arrays = [x for x in jax.tree_util.tree_leaves(values[p]) if is_array(x)]
+        lengths = {np.shape(x)[0] if np.ndim(x) else -1 for x in arrays}
+        if arrays and len(lengths) == 1:
+            (length,) = lengths
+            if 0 < length < num_steps:
+                raise error(
+                    ShapeError,
+                    SHORT_FIRST_CHUNK,
+                    analysis,
+                    param=p,
+                    length=length,
+                    num_steps=num_steps,
+                )
+
+
+def _abstract(value: Any, drop_axis: bool) -> tuple[Any, list[Any]]:
+    """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    treedef_: Any = treedef
+    positions = [i for i, x in enumerate(leaves) if is_array(x)]
+    abstract = [
+        jax.ShapeDtypeStruct(
+            np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
+            jax.numpy.result_type(leaves[i]),
+        )
+        for i in positions
+    ]
+
+    def rebuild(arrays: list[Any]) -> Any:
+        full = list(leaves)
+        for i, a in zip(positions, arrays, strict=True):
+            full[i] = a
+        return treedef_.unflatten(full)
+
+    return rebuild, abstract
+
+
+def _eval_one_step(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+) -> Any:
+    """The abstract value one step returns, for these arguments."""
+    parts = []
+    for p in params:
+        role = roles[p]
+        if role == "static":
+            parts.append((None, values[p]))
+        else:
+            parts.append(_abstract(values[p], drop_axis=role == "scanned" and num_steps > 1))
+
+    found: dict[str, Any] = {}
+
+    def one_step(arrays: list[list[Any]]) -> Any:
+        args = [
+            value if rebuild is None else rebuild(a)
+            for (rebuild, value), a in zip(parts, arrays, strict=True)
+        ]
+        # Only traced values leave the evaluation; the rest (Python values, constants) are
+        # kept as they are, so a Python scalar returned unchanged stays one.
+        leaves, treedef = jax.tree_util.tree_flatten(fn(*args))
+        found["treedef"] = treedef
+        found["leaves"] = leaves
+        traced = [isinstance(x, jax.core.Tracer) for x in leaves]
+        found["traced"] = traced
+        return [x for x, t in zip(leaves, traced, strict=True) if t]
+
+    abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
+    leaves = [
+        next(abstract) if t else x for x, t in zip(found["leaves"], found["traced"], strict=True)
+    ]
+    return found["treedef"].unflatten(leaves)
+
+
+def _positions(first: Any, out: Any) -> list[Any]:
+    if first is None or first.kind == "none":
+        return []
+    if first.kind == "single":
+        return [out]
+    return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
+
+
+def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(tree structure, per leaf: shape and dtype, "scalar" or the static value)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    sig: list[Any] = []
+    for x in leaves:
+        if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+            sig.append((tuple(np.shape(x)), np.dtype(x.dtype)))
+        elif isinstance(x, _SCALARS):
+            sig.append("scalar")
+        else:
+            sig.append(("static", _static(x)))
+    return treedef, tuple(sig)
+
+
+def _static(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return id(x)
+
+
+def _same_value(arg: Any, out: Any) -> bool:
+    (t1, s1), (t2, s2) = _signature(arg), _signature(out)
+    if t1 != t2:
+        return False
+    for a, b in zip(s1, s2, strict=True):
+        if a == b:
+            continue
+        scalar_like = {a, b} - {"scalar"}
+        if "scalar" in (a, b) and len(scalar_like) == 1:
+            other = scalar_like.pop()
+            if isinstance(other, tuple) and len(other) == 2 and other[0] == ():
+                continue  # a Python scalar that comes back as a 0-d array
+        return False
+    return True
+
+
+def _match(
+    analysis: Analysis,
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    candidates: list[str],
+    positions: list[int],
+    outputs: list[Any],
+    declared: set[str],
+    carried: list[str],
+) -> dict[str, tuple[int, str]]:
+    """Return positions matched to candidate parameters by abstract value.
+
+    `carried` lists, in order, the parameters that could be state (not per-step, not static):
+    a bare array may only match the position of its rank among them, so a scalar loss is never
+    taken for a scalar input."""
+    if not outputs:
+        return {}
+    rank = {p: i for i, p in enumerate(carried)}
+    fits: dict[str, list[int]] = {}
+    for p in candidates:
+        bare = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
+        fits[p] = [
+            pos
+            for pos in positions
+            if (not bare or p in declared or pos == rank.get(p))
+            and _same_value(values[p], outputs[pos])
+        ]
+    matched: dict[str, tuple[int, str]] = {}
+    # One parameter for one position: settled. Repeat while that frees others.
+    changed = True
+    while changed:
+        changed = False
+        for p, ps in fits.items():
+            if p in matched or len(ps) != 1:
+                continue
+            others = [q for q, qs in fits.items() if q != p and q not in matched and ps[0] in qs]
+            if not others:
+                matched[p] = (ps[0], f"matched by value to return position {ps[0]}")
+                for q in fits:
+                    if q not in matched:
+                        fits[q] = [pos for pos in fits[q] if pos != ps[0]]
+                changed = True
+    left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
+    if left:
+        spots = sorted({pos for p in left for pos in fits[p]})
+        if len(spots) == len(left) and all(
+            pos in fits[p] for p, pos in zip(left, spots, strict=True)
+        ):
+            # Several alike: the step keeps the parameter order.
+            for p, pos in zip(left, spots, strict=True):
+                matched[p] = (pos, f"matched by value and parameter order to return position {pos}")
+        else:
+            raise error(
+                OptionError,
+                AMBIGUOUS_STATE,
+                analysis,
+                param=left[0],
+                positions=", ".join(map(str, spots)),
+                candidates=", ".join(f"`{q}`" for q in left),
+            )
+    return matched
+
+
+def _to_array(
+    analysis: Analysis,
+    fn: Callable[..., Any],
+    roles: Roles,
+    values: dict[str, Any],
+    positions: dict[str, int],
+    for_eval: dict[str, Role],
+    num_steps: int,
+    out: Any,
+) -> tuple[tuple[int, ...], ...]:
+    """Per state position, the leaves that are Python scalars going in and come out as arrays
+    or as other values (`step + 1` on a Python int): left static, they would change the state's
+    structure every step. Scalars that come back unchanged stay static."""
+    state = roles.state
+    has_scalars = [
+        p in positions
+        and any(isinstance(x, _SCALARS) for x in jax.tree_util.tree_leaves(values[p]))
+        for p in state
+    ]
+    if not any(has_scalars):
+        return ((),) * len(state)
+    first = analysis.returns[0] if analysis.returns else None
+    if out is None:
+        out = _eval_one_step(fn, roles.params, values, for_eval, num_steps)
+    outputs = _positions(first, out)
+    result: list[tuple[int, ...]] = []
+    for p, scalars in zip(state, has_scalars, strict=True):
+        if not scalars or not outputs:
+            result.append(())
+            continue
+        ins = jax.tree_util.tree_leaves(values[p])
+        outs = jax.tree_util.tree_leaves(outputs[positions[p]])
+        if len(ins) != len(outs):
+            result.append(())
+            continue
+        result.append(
+            tuple(
+                i
+                for i, (a, b) in enumerate(zip(ins, outs, strict=True))
+                if isinstance(a, _SCALARS)
+                and (isinstance(b, jax.ShapeDtypeStruct) or (type(b), b) != (type(a), a))
+            )
+        )
+    return tuple(result)
+
+
+def _describe(value: Any) -> str:
+    t = type(value)
+    module = t.__module__.split(".")[0]
+    return f"a {module}.{t.__qualname__}" if module != "builtins" else f"a {t.__name__}"
+
+
+def _shape_of(x: Any) -> str:
+    if is_array(x):
+        return f"{jax.numpy.result_type(x)}{list(np.shape(x))}"
+    return f"non-array {type(x).__name__}"

@@ -1,0 +1,298 @@
+"""First-call role inference (`_infer`): state matched by abstract value, per-step, broadcast
+or static by run-time type and shape, Python scalars in state that become arrays, state that is
+one array. Each case runs at num_steps=1 and 4 against a plain `jax.jit` loop from the same
+start."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoflat
+
+K = 4
+
+
+def _batches(n, shape=(3,), seed=0):
+    return jax.random.normal(jax.random.key(seed), (n, *shape), jnp.float32)
+
+
+def _reference(update, state, per_step, n, rest=()):
+    """`n` steps of `jax.jit(update)`; state is the first len(state) returns."""
+    ref = jax.jit(update)
+    outs = []
+    for i in range(n):
+        result = ref(*state, *(x[i] for x in per_step), *rest)
+        state, out = result[: len(state)], result[len(state) :]
+        outs.append(out)
+    return state, outs
+
+
+def _run(step, state, per_step, n, k, rest=()):
+    """`n` steps of an autoflat step with `k` steps per call, batches stacked."""
+    outs = []
+    for start in range(0, n, k):
+        xs = [x[start : start + k] if k > 1 else x[start] for x in per_step]
+        result = step(*state, *xs, *rest)
+        result = result if isinstance(result, tuple) else (result,)
+        state, out = result[: len(state)], result[len(state) :]
+        outs.append(out)
+    return state, outs
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_new_state_under_another_name(k):
+    tx = optax.sgd(0.1)
+
+    def update(p, s, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(p)
+        u, s = tx.update(g, s, p)
+        new_p = optax.apply_updates(p, u)
+        return new_p, s, loss
+
+    p0 = jnp.arange(3.0, dtype=jnp.float32)
+    xs = _batches(8)
+    step = autoflat.step(update, num_steps=k)
+    (p, _), _ = _run(step, (p0, tx.init(p0)), [xs], 8, k)
+    (rp, _), _ = _reference(update, (p0, tx.init(p0)), [xs], 8)
+    np.testing.assert_allclose(p, rp, rtol=1e-6)
+    assert type(p) is type(rp)  # one array comes back as the array, not a handle
+    if k > 1:  # with one step a call, a bare array gains nothing from being state
+        assert "# p: state (matched by value to return position 0)" in step.source
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_example_libraries_optimizer_state_returned_as_an_expression(k):
+    from jax.example_libraries import optimizers
+
+    opt_init, opt_update, get_params = optimizers.momentum(0.05, mass=0.9)
+
+    def loss(params, x):
+        w, b = params
+        return jnp.sum((x @ w + b - 1.0) ** 2)
+
+    # jax's examples/mnist_classifier.py: `update(i, opt_state, batch)`.
+    def update(i, opt_state, batch):
+        params = get_params(opt_state)
+        return opt_update(i, jax.grad(loss)(params, batch), opt_state)
+
+    params = (jnp.ones((3, 2)) * 0.1, jnp.zeros(2))
+    xs = _batches(8, (5, 3))
+    step = autoflat.step(update, num_steps=k, broadcast="i")
+    state = opt_init(params)
+    ref_state = opt_init(params)
+    ref = jax.jit(update)
+    for start in range(0, 8, k):
+        chunk = xs[start : start + k] if k > 1 else xs[start]
+        state = step(0, state, chunk)
+        for i in range(k):
+            ref_state = ref(0, ref_state, xs[start + i])
+    np.testing.assert_allclose(get_params(state)[0], get_params(ref_state)[0], rtol=1e-6)
+    assert "# opt_state: state (matched by value" in step.source
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_list_comprehension_of_new_parameters(k):
+    def loss(params, x):
+        h = x
+        for w, b in params:
+            h = jnp.tanh(h @ w + b)
+        return jnp.sum(h**2)
+
+    def update(params, x):
+        grads = jax.grad(loss)(params, x)
+        return [(w - 0.1 * dw, b - 0.1 * db) for (w, b), (dw, db) in zip(params, grads, strict=True)]
+
+    params = [(jnp.ones((3, 3)) * 0.2, jnp.zeros(3)), (jnp.ones((3, 2)) * 0.1, jnp.zeros(2))]
+    xs = _batches(8, (4, 3))
+    step = autoflat.step(update, num_steps=k)
+    (p,), _ = _run(step, (params,), [xs], 8, k)
+    rp = params
+    for i in range(8):
+        rp = jax.jit(update)(rp, xs[i])
+    np.testing.assert_allclose(p[1][0], rp[1][0], rtol=1e-6)
+    assert autoflat.stats(step).flattens == 1  # the handle passed back is the fast path
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_state_taken_and_returned_under_different_names(k):
+    tx = optax.adam(1e-2)
+
+    def update(params, discriminator_opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.sum((p["w"] * x) ** 2))(params)
+        updates, opt_state = tx.update(grads, discriminator_opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    params = {"w": jnp.arange(3.0, dtype=jnp.float32)}
+    xs = _batches(8)
+    step = autoflat.step(update, num_steps=k)
+    (p, o), outs = _run(step, (params, tx.init(params)), [xs], 8, k)
+    (rp, ro), routs = _reference(update, (params, tx.init(params)), [xs], 8)
+    np.testing.assert_allclose(p["w"], rp["w"], rtol=1e-6)
+    losses = np.concatenate([np.atleast_1d(o[0]) for o in outs])
+    np.testing.assert_allclose(losses, [float(o[0]) for o in routs], rtol=1e-5)
+    assert "discriminator_opt_state: state (matched by value" in step.source
+
+
+def test_declared_state_not_returned_by_name_matches_by_value():
+    def update(p, x):
+        q = p - 0.1 * x
+        return q, jnp.sum(q)
+
+    xs = jnp.ones((4, 3))
+    step = autoflat.step(update, num_steps=4, state="p")
+    p, sums = step(jnp.full((3,), 2.0), xs)
+    np.testing.assert_allclose(p, jnp.full((3,), 1.6), rtol=1e-6)
+    np.testing.assert_allclose(sums, [5.7, 5.4, 5.1, 4.8], rtol=1e-5)  # not [6, 6, 6, 6]
+
+
+def test_declared_state_that_nothing_matches_is_an_error():
+    def update(p, x):
+        loss = jnp.sum(p * x)
+        return loss
+
+    step = autoflat.step(update, num_steps=4, state="p")
+    p = jnp.ones(3)
+    with pytest.raises(autoflat.OptionError, match="`p` is named in state= but no `return`"):
+        step(p, jnp.ones((4, 3)))
+    np.testing.assert_array_equal(p, jnp.ones(3))  # nothing consumed
+
+
+def test_alike_state_follows_parameter_order_or_is_an_error():
+    def update(a, b, x):
+        return {"w": a["w"] + x}, {"w": b["w"] * 2}
+
+    start = ({"w": jnp.ones(3)}, {"w": jnp.full(3, 3.0)}, jnp.ones((2, 3)))
+    step = autoflat.step(update, num_steps=2)
+    a, b = step(*start)
+    np.testing.assert_allclose(a["w"], [3.0] * 3)
+    np.testing.assert_allclose(b["w"], [12.0] * 3)
+    assert "# b: state (matched by value and parameter order to return position 1)" in step.source
+
+    def three(a, b, x):
+        return {"w": a["w"] + x}, {"w": b["w"] * 2}, {"w": x}  # three alike, two parameters
+
+    with pytest.raises(autoflat.OptionError, match=r"`a`, `b`") as info:
+        autoflat.step(three, num_steps=2)(*start)
+    assert 'state={"a": 0}' in str(info.value)
+    mapped = autoflat.step(three, num_steps=2, state={"a": 0, "b": 1})
+    a, b, xs = mapped(*start)
+    np.testing.assert_allclose(b["w"], [12.0] * 3)
+    assert xs["w"].shape == (2, 3)  # the third is a per-step output, stacked
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_same_every_step_arguments_are_broadcast_or_static(k):
+    eqx = pytest.importorskip("equinox")
+    teacher = eqx.nn.MLP(3, 1, 8, 1, key=jax.random.key(1))  # holds jax.nn.relu: not traceable
+    tx = optax.sgd(0.05)
+    key = jax.random.key(7)
+    full_batch = _batches(6, (3,), seed=3)  # reused by every step: no leading axis of k
+
+    def update(params, opt_state, teacher, tx, key, eos_id, data, scale):
+        noise = jax.random.normal(key, (3,)) * 0.0
+        target = jax.vmap(teacher)(data)[:, 0] * scale + eos_id
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((data @ p + noise[0] - target) ** 2))(
+            params
+        )
+        u, opt_state = tx.update(g, opt_state, params)
+        params = optax.apply_updates(params, u)
+        return params, opt_state, loss
+
+    params = jnp.zeros(3)
+    step = autoflat.step(update, num_steps=k)
+    scales = jnp.linspace(1.0, 2.0, 8)  # per step
+    p, o = params, tx.init(params)
+    rp, ro = params, tx.init(params)
+    ref = eqx.filter_jit(update)  # jax.jit cannot take the teacher's functions
+    for start in range(0, 8, k):
+        s = scales[start : start + k] if k > 1 else scales[start]
+        p, o, _ = step(p, o, teacher, tx, key, 2, full_batch, s)
+        for i in range(k):
+            rp, ro, _ = ref(rp, ro, teacher, tx, key, 2, full_batch, scales[start + i])
+    np.testing.assert_allclose(p, rp, rtol=1e-5)
+    src = step.source
+    assert "# teacher: broadcast (a equinox.MLP, holds values JAX cannot trace)" in src
+    assert "# tx: broadcast" in src
+    if k > 1:
+        assert "# eos_id: static (a Python int, static as in eqx.filter_jit)" in src
+        assert "# key: broadcast (no leading axis of num_steps=4 at the first call)" in src
+        assert "# data: broadcast" in src
+        assert "# scale: scanned (per-step: leading axis 4 = num_steps" in src
+    assert autoflat.stats(step).traces == 1
+
+
+def test_a_full_batch_shorter_than_num_steps_must_be_declared():
+    def update(p, batch):
+        p = p - 0.1 * jnp.mean(batch, axis=0)
+        return p
+
+    step = autoflat.step(update, num_steps=4)
+    with pytest.raises(autoflat.ShapeError, match="short chunk of 3 steps or one value reused"):
+        step(jnp.ones(2), jnp.ones((3, 2)))
+    as_broadcast = autoflat.step(update, num_steps=4, broadcast="batch")
+    np.testing.assert_allclose(as_broadcast(jnp.ones(2), jnp.ones((3, 2))), [0.6, 0.6], rtol=1e-6)
+    as_chunk = autoflat.step(update, num_steps=4, per_step="batch")
+    np.testing.assert_allclose(as_chunk(jnp.ones(2), jnp.ones((3, 2))), [0.7, 0.7], rtol=1e-6)
+
+
+def test_mixed_leading_axes_name_the_leaf():
+    def update(p, batch):
+        p = p + jnp.sum(batch["x"]) + jnp.sum(batch["mask"])
+        return p
+
+    step = autoflat.step(update, num_steps=4)
+    with pytest.raises(autoflat.ShapeError, match=r"`batch\['mask'\]` is float32\[3\]"):
+        step(jnp.zeros(()), {"x": jnp.ones((4, 2)), "mask": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_train_state_with_a_python_int_step_compiles_once(k):
+    train_state = pytest.importorskip("flax.training.train_state")
+
+    def apply_fn(params, x):
+        return x @ params["w"]
+
+    state = train_state.TrainState.create(
+        apply_fn=apply_fn, params={"w": jnp.ones((3, 1))}, tx=optax.sgd(0.1)
+    )
+    assert state.step == 0 and type(state.step) is int
+
+    def train_step(state, x):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn(params, x) - 1.0) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        state = state.apply_gradients(grads=grads)
+        return state, loss
+
+    xs = _batches(8, (2, 3))
+    step = autoflat.step(train_step, num_steps=k)
+    s = state
+    for start in range(0, 8, k):
+        s, _ = step(s, xs[start : start + k] if k > 1 else xs[start])
+    ref = jax.jit(train_step)
+    rs = state
+    for i in range(8):
+        rs, _ = ref(rs, xs[i])
+    assert int(s.step) == 8
+    np.testing.assert_allclose(s.params["w"], rs.params["w"], rtol=1e-6)
+    assert autoflat.stats(step).traces == 1
+
+
+def test_state_that_is_one_array_or_none_comes_back_as_it_is():
+    def update(key, extra, x):
+        key, sub = jax.random.split(key)
+        return key, extra, jax.random.normal(sub, ()) + x
+
+    step = autoflat.step(update, num_steps=2)
+    key, extra, out = step(jax.random.key(0), None, jnp.ones(2))
+    assert extra is None and out.shape == (2,)
+    key2, _ = jax.random.split(key)  # a real key array, not a handle
+    assert jnp.asarray(key).dtype == key2.dtype
+    key, extra, _ = step(key, extra, jnp.ones(2))
+    assert autoflat.stats(step).flattens == 0 and autoflat.stats(step).traces == 1
