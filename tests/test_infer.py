@@ -104,7 +104,9 @@ def test_list_comprehension_of_new_parameters(k):
 
     def update(params, x):
         grads = jax.grad(loss)(params, x)
-        return [(w - 0.1 * dw, b - 0.1 * db) for (w, b), (dw, db) in zip(params, grads, strict=True)]
+        return [
+            (w - 0.1 * dw, b - 0.1 * db) for (w, b), (dw, db) in zip(params, grads, strict=True)
+        ]
 
     params = [(jnp.ones((3, 3)) * 0.2, jnp.zeros(3)), (jnp.ones((3, 2)) * 0.1, jnp.zeros(2))]
     xs = _batches(8, (4, 3))
