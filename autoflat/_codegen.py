@@ -128,6 +128,15 @@ def _elements(value: cst.BaseExpression | None) -> list[cst.BaseExpression]:
     return [value]
 
 
+def _is_docstring(statement: cst.BaseStatement) -> bool:
+    if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+        return False
+    expr = statement.body[0]
+    return isinstance(expr, cst.Expr) and isinstance(
+        expr.value, (cst.SimpleString, cst.ConcatenatedString)
+    )
+
+
 def _tuple(items: list[cst.BaseExpression]) -> cst.Tuple:
     """A parenthesized tuple; one element gets its trailing comma."""
     if len(items) == 1:
@@ -233,6 +242,8 @@ def generate(
     rewriter = _ReturnRewriter(analysis.return_nodes, make_return)
     new_func = cst.ensure_type(funcdef.visit(rewriter), cst.FunctionDef)
     statements = list(cst.ensure_type(new_func.body, cst.IndentedBlock).body)
+    if statements and _is_docstring(statements[0]):
+        statements = statements[1:]  # the docstring documents the step, it does not run
     if analysis.falls_through:
         statements.append(cst.SimpleStatementLine(body=[make_return(None)]))
     body_label = (

@@ -88,6 +88,12 @@ def infer(
     ]
     values = dict(zip(params, args, strict=True))
     kinds = {p: _kind(analysis, p, values[p], num_steps) for p in open_}
+    for p in mutable:
+        kinds[p] = (
+            "state",
+            f"{_describe(values[p])} mutated in place: its new Variable values are written "
+            "into the caller's object after the call",
+        )
     if num_steps > 1:
         _check_first_chunk(analysis, kinds, values, num_steps, options)
     # Each parameter's role for the abstract evaluation (candidates count as broadcast).
@@ -145,7 +151,7 @@ def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> boo
     """Whether an open argument may turn out to be state returned under another name: with
     num_steps > 1 what is the same every step; with 1, containers and modules (a bare array
     gains nothing from being state at one step a call, and is returned as it is)."""
-    if kind is None or kind[0] == "static":
+    if kind is None or kind[0] not in ("scanned", "broadcast"):
         return False
     if num_steps > 1:
         return kind[0] == "broadcast"
@@ -432,9 +438,11 @@ def _to_array(
 
 
 def _describe(value: Any) -> str:
+    """`a Model`, `a flax.Optimizer`, `a equinox.MLP`: the class, with its library's name."""
     t = type(value)
-    module = t.__module__.split(".")[0]
-    return f"a {module}.{t.__qualname__}" if module != "builtins" else f"a {t.__name__}"
+    root = t.__module__.split(".")[0]
+    known = ("flax", "equinox", "optax", "jax", "haiku", "numpy")
+    return f"a {root}.{t.__qualname__}" if root in known else f"a {t.__qualname__}"
 
 
 def _shape_of(x: Any) -> str:

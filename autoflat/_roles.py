@@ -233,7 +233,7 @@ def assign_roles(
             reasons.append(f"assigned into at line {assigned_line[p]}")
         elif p in mutable_at_run_time:
             roles.append("state")
-            reasons.append("mutable module at run time")
+            reasons.append(kinds[p][1] if p in kinds else "mutable module at run time")
         elif p in kinds:
             roles.append(kinds[p][0])
             reasons.append(kinds[p][1])

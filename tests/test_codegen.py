@@ -10,7 +10,7 @@ import autoflat
 
 
 def update(model, opt_state, batch, lr=0.1, *, scale: float = 1.0):
-    """Docstring stays."""
+    """Docstring: documents the step, not copied into the generated code."""
     # a comment stays
     loss = jnp.sum(batch * model["w"])  # trailing comment stays
     if loss > 1e9:  # early return, rewritten too
@@ -49,7 +49,6 @@ def test_scan_code_exactly():
                     lr = _af_unflatten(_af_broadcast[0])
                     scale = _af_spec.static['scale']
                     # body of update (test_codegen.py:{LINE + 1}-{LINE + 11})
-                    \"\"\"Docstring stays.\"\"\"
                     # a comment stays
                     loss = jnp.sum(batch * model["w"])  # trailing comment stays
                     if loss > 1e9:  # early return, rewritten too

@@ -131,7 +131,7 @@ def test_nnx_metrics_smoke(smoke):
     assert "optimizer steps: 20 (the caller's own optimizer object)" in out
     assert "autoflat train_step: 2 calls, 1 compiles" in out
     assert "autoflat eval_step: 1 calls, 1 compiles" in out
-    assert "# metrics: state (mutable module at run time)" in out
+    assert "# metrics: state (a flax.MultiMetric mutated in place" in out
     assert "final test accuracy:" in out
 
 

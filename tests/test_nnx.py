@@ -81,8 +81,11 @@ def test_mutation_style_train_step_equals_nnx_jit(k, n):
         np.testing.assert_allclose(value, ref_metrics[key], rtol=1e-5)
     assert int(optimizer.step.value) == n
     src = autoflat.show(step)  # after a call: roles include run-time types
-    assert "# model: state (mutable module at run time)" in src
-    assert "# metrics: state (mutable module at run time)" in src
+    assert (
+        "# model: state (a Model mutated in place: its new Variable values are written into the caller's object after the call)"
+        in src
+    )
+    assert "# metrics: state (a flax.MultiMetric mutated in place" in src
     stats = autoflat.stats(step)
     calls = -(-n // k)
     if not step.pack:
