@@ -84,6 +84,9 @@ def autoflat_private() -> SimpleNamespace:
       `jax.jit` object (called as `fn(spec, *lowered.args)`) with a
       stub returning that call's outputs; returns the call's result (report section 1 times
       the Python call path without JAX's dispatch);
+    - `bare_next_args(args, out)`: a step's bare program (`Compiled.jax`) chained: the
+      flat arguments of its next launch, its state outputs in place of the state leaves of
+      `args` (`Lowered.args`: state leaves, per-step inputs, broadcast leaves);
     - `auto_max_elements`: the largest leaf `pack="auto"` packs (bench_transport prints it).
     """
     from autoflat import _transport
@@ -118,8 +121,13 @@ def autoflat_private() -> SimpleNamespace:
         step._jit = lambda *a: outputs[-1]
         return result
 
+    def bare_next_args(args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
+        state_out, _ = out
+        return (tuple(flat.arrays for flat in state_out), *args[1:])
+
     return SimpleNamespace(
         buffers=lambda h: list(get(h, "_af_arrays")),
+        bare_next_args=bare_next_args,
         handle_roundtrip=handle_roundtrip,
         stub_compiled_call=stub_compiled_call,
         auto_max_elements=_transport.AUTO_MAX_ELEMENTS,
