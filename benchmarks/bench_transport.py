@@ -234,7 +234,8 @@ def main() -> None:
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     harness.log("\n".join(harness.environment_lines(harness.machine(), harness.versions())))
-    harness.log(f"pack='auto' packs leaves of at most {harness.PRIVATE.auto_max_elements} elements")
+    auto_max = harness.PRIVATE.auto_max_elements()
+    harness.log(f"pack='auto' packs leaves of at most {auto_max} elements")
     if args.sweep:
         sizes = [128, 256, 512, 1_024, 2_048, 4_096, 16_384]
         harness.log("leaf-size sweep: 48 leaves of each size with Adam (144 arrays), num_steps=1")

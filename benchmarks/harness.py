@@ -87,10 +87,10 @@ def autoflat_private() -> SimpleNamespace:
     - `bare_next_args(args, out)`: a step's bare program (`Compiled.jax`) chained: the
       flat arguments of its next launch, its state outputs in place of the state leaves of
       `args` (`Lowered.args`: state leaves, per-step inputs, broadcast leaves);
-    - `auto_max_elements`: the largest leaf `pack="auto"` packs (bench_transport prints it).
-    """
-    from autoflat import _transport
+    - `auto_max_elements()`: the largest leaf `pack="auto"` packs (bench_transport prints it).
 
+    Nothing here runs before it is called: an import of the harness works whatever changed.
+    """
     get = object.__getattribute__
 
     def handle_roundtrip(handles: list[Any]) -> Callable[[int], float]:
@@ -125,12 +125,17 @@ def autoflat_private() -> SimpleNamespace:
         state_out, _ = out
         return (tuple(flat.arrays for flat in state_out), *args[1:])
 
+    def auto_max_elements() -> int:
+        from autoflat import _transport
+
+        return _transport.AUTO_MAX_ELEMENTS
+
     return SimpleNamespace(
         buffers=lambda h: list(get(h, "_af_arrays")),
         bare_next_args=bare_next_args,
         handle_roundtrip=handle_roundtrip,
         stub_compiled_call=stub_compiled_call,
-        auto_max_elements=_transport.AUTO_MAX_ELEMENTS,
+        auto_max_elements=auto_max_elements,
     )
 
 
@@ -406,17 +411,16 @@ def agree(methods: list[Method], n_checked: int) -> dict[str, Any]:
 
 
 def calibrate(m: Method, block_s: float) -> None:
-    """Warm up, then choose the calls per block so a block takes about `block_s`."""
-    m.run(3)
+    """Warm up, then choose the calls per block (at least 2) so a block takes about
+    `block_s`: probes of doubling length until one takes a tenth of a block."""
+    _, total = m.run(1)
     probe = 1
-    while True:
-        _, total = m.run(probe)
-        if total > 0.1 * block_s or probe >= 10_000:
-            break
+    while total <= 0.1 * block_s and probe < 10_000:
         probe *= 2
-    # The fastest of three probes: a stray pause must not shrink the timed blocks.
-    per_call = min(total, *(m.run(probe)[1] for _ in range(2))) / probe
-    m.n_calls = max(2, round(block_s / per_call))
+        _, total = m.run(probe)
+    if total < block_s:  # the fastest of three probes: a stray pause must not shrink blocks
+        total = min(total, *(m.run(probe)[1] for _ in range(2)))
+    m.n_calls = max(2, round(block_s * probe / total))
 
 
 def time_methods(
