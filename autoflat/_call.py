@@ -175,7 +175,8 @@ def _take_state(
                 stats.flattens += 1
         placement = placement_of(arrays)
         unpacked[k] = arrays
-        layout = _transport.host_layout(arrays, placement, step.pack)
+        # One array is one buffer already, and comes back as itself: never packed.
+        layout = None if is_array(a) else _transport.host_layout(arrays, placement, step.pack)
         if layout is not None:
             # Packing makes fresh buffers: they may be donated without a copy.
             arrays = _transport.pack_on_device(layout, arrays)

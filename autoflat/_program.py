@@ -266,7 +266,7 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
     # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
     # call's input differ from this one's and compile the step again.
     arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
-    if repack and spec.pack:
+    if repack and spec.pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
         # Back into buffers of the same layout (a new one if the structure changed).
         multi = (
             [s is not None for s in placement.shardings]
