@@ -3,7 +3,8 @@
 `Stats` counts calls, fast-path hits, host flattens, copies, traces and rebuilds (the user
 reads a snapshot with `autoflat.stats(fn)`). `Diagnostics` holds one step's `Stats` and notes
 every trace: what changed since the previous one, and, once a step has been traced
-`RECOMPILE_WARN_AFTER` times, the `AutoflatRecompileWarning` the call issues when it is done.
+`RECOMPILE_WARN_AFTER` times, the `AutoflatRecompileWarning` that the step's next call issues
+before it takes anything.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class Diagnostics:
         self._last_key = key
         if self.stats.traces >= RECOMPILE_WARN_AFTER and not self._warned:
             self._warned = True
-            # Issued by `warn_if_pending` once the call is done, so it points at the caller's
-            # line and, if the caller's filters make it an error, nothing is lost.
+            # Issued by `warn_if_pending` at the start of the step's next call, before that
+            # call takes anything: if the caller's filters make it an error, the results of
+            # this call are bound and the next call's arguments untouched.
             self._pending = (
                 f"autoflat: `{self.qualname}` ({self.where}) has been traced and "
                 f"compiled {self.stats.traces} times; the last change was: {change}. "

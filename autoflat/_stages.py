@@ -69,6 +69,7 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         step = self._step
+        step._diag.warn_if_pending(stacklevel=2)
         call = prepare(step, args, kwargs)
         if call.spec is not self._spec:
             raise error(CallError, AOT_MISMATCH, step._analysis)

@@ -146,13 +146,13 @@ class Step:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        # A recompile warning noted by an earlier call, issued before this one takes anything:
+        # the caller's filters may make it an error, and then every state is still usable.
+        self._diag.warn_if_pending(stacklevel=2)
         self._diag.stats.calls += 1
         call = prepare(self, args, kwargs)
         state_out, outputs = launch(self, self._jit, call, call.spec)
-        result = finish(self, call, state_out, outputs)
-        # Last, once the state is safe: the warning may be an error under the caller's filters.
-        self._diag.warn_if_pending(stacklevel=2)
-        return result
+        return finish(self, call, state_out, outputs)
 
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:

@@ -81,7 +81,7 @@ def test_example_libraries_optimizer_state_returned_as_an_expression(k):
 
     params = (jnp.ones((3, 2)) * 0.1, jnp.zeros(2))
     xs = _batches(8, (5, 3))
-    step = autoflat.step(update, num_steps=k, broadcast="i")
+    step = autoflat.step(update, num_steps=k)
     state = opt_init(params)
     ref_state = opt_init(params)
     ref = jax.jit(update)
