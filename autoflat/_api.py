@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from . import _caches
 from ._diagnostics import Stats
@@ -32,7 +33,7 @@ def step(
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
     per_step: str | Iterable[str] | None = None,
-    donate: bool = True,
+    donate: bool | Literal["always"] = True,
     unroll: int | bool = 1,
     lazy: bool = True,
     pack: PackMode | None = None,
@@ -47,7 +48,7 @@ def step(
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
     per_step: str | Iterable[str] | None = None,
-    donate: bool = True,
+    donate: bool | Literal["always"] = True,
     unroll: int | bool = 1,
     lazy: bool = True,
     pack: PackMode | None = None,
@@ -62,7 +63,7 @@ def step(
     broadcast: str | Iterable[str] | None = None,
     static_argnames: str | Iterable[str] | None = None,
     per_step: str | Iterable[str] | None = None,
-    donate: bool = True,
+    donate: bool | Literal["always"] = True,
     unroll: int | bool = 1,
     lazy: bool = True,
     pack: PackMode | None = None,
@@ -94,7 +95,9 @@ def step(
       and strings are static, and objects JAX cannot trace are broadcast.
     - `donate`: donate the buffers of state that autoflat itself produced in an earlier call
       (the caller's own arrays are never donated). Handles passed to a donating call are
-      consumed.
+      consumed. A program that calls back to the host (`jax.pure_callback`, `io_callback`,
+      `jax.debug.callback` or `print`, `eqx.error_if`) can fail while it runs, after donated
+      inputs are gone, so it is not donated; `"always"` donates it all the same.
     - `unroll`: passed to `lax.scan`.
     - `lazy`: return state as lazy handles (the default: no host work until used). With
       False, state comes back as the real objects, rebuilt after every call; passing the same
@@ -163,6 +166,8 @@ def default_pack() -> Any:
 
 
 def _as_step(fn: Any, api: str) -> Step:
+    if isinstance(fn, functools.partial) and isinstance(fn.func, Step):
+        fn = fn.func  # a method step reached through an instance
     if isinstance(fn, Step):
         return fn
     raise CallError(NOT_A_STEP.format(api=api, value=fn))

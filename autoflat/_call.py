@@ -16,9 +16,11 @@ the caller's objects:
 - *spec*: the interned `CallSpec` (`_program.SpecCache`).
 
 `launch` runs the compiled program (the step's `jax.jit`, or an ahead-of-time `Compiled`) and
-points errors raised in the user's body at the user's file. `finish` marks donated handles
-consumed, wraps state outputs in new lazy handles without unflattening, writes mutation-style
-state back into the caller's objects, and assembles the result in the user's order.
+points errors raised in the user's body at the user's file; a program that calls back to the
+host is not donated (it can fail while running, after its inputs are gone). `finish` marks
+donated handles consumed, wraps state outputs in new lazy handles without unflattening, writes
+mutation-style state back into the caller's objects, and assembles the result in the user's
+order.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from . import _loading, _nnx, _transport, _writeback
 from ._errors import BAD_CALL, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
-from ._program import CallSpec, Program
+from ._program import CallSpec, Program, calls_back
 from ._structure import (
     FlatState,
     Placement,
@@ -245,11 +247,18 @@ def _take_broadcast(
     return structures, tuple(leaves)
 
 
-def launch(step: Any, run: Callable[..., Any], call: Call, *static: Any) -> Any:
-    """Run the compiled program on a prepared call: `run(*static, *call.inputs())`."""
+def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) -> Any:
+    """Run the compiled program on a prepared call: the step's `jax.jit`, or an ahead-of-time
+    executable `compiled` (which takes the inputs without the spec).
+
+    With `donate=True`, a program that calls back to the host (found at its first trace) runs
+    without donation: it can fail while running, after donated inputs are gone."""
     __tracebackhide__ = True
+    spec, inputs = call.spec, call.inputs()
     try:
-        return run(*static, *call.inputs())
+        if compiled is not None:
+            return compiled(*inputs)
+        return runner(step, spec, inputs)(spec, *inputs)
     except Exception as e:
         program = call.program
         _loading.rewrite_traceback(
@@ -263,10 +272,26 @@ def launch(step: Any, run: Callable[..., Any], call: Call, *static: Any) -> Any:
         raise
 
 
+def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
+    """The step's `jax.jit` that runs `spec`: donating, unless the program may fail at run
+    time (decided at its first trace, which the jit then reuses) and the step did not ask for
+    `donate="always"`."""
+    if step.donate is not True:
+        return step._jit
+    if spec.may_fail is None:
+        spec.may_fail = calls_back(step._jit.trace(spec, *inputs).jaxpr)
+    return step._jit_keep if spec.may_fail else step._jit
+
+
+def donates(step: Any, spec: CallSpec) -> bool:
+    """Whether a launch of `spec` donated the state it was given."""
+    return step.donate == "always" or (step.donate is True and not spec.may_fail)
+
+
 def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any) -> Any:
     """After the launch: consume, wrap, write back; the step's result in the user's order."""
     program, spec, args = call.program, call.spec, call.args
-    if step.donate:
+    if donates(step, spec):
         for h in call.donated:
             object.__setattr__(h, "_af_consumed_by", step._diag.stats.calls)
     handles = new_handles(step, spec, state_out)

@@ -298,3 +298,16 @@ autoflat will not guess. Say which:
 
 or pass a first chunk of {num_steps} steps (shorter final chunks are fine after it).
 """
+
+BAD_FLAG = """\
+`autoflat.step(...)` for `{name}` ({where}): {option} must be {allowed}, got {value!r}.
+"""
+
+DECORATOR_ORDER = """\
+`@autoflat.step` was applied to a {wrapper} object (`{name}`, {where}). Put `@{wrapper}` above \
+`@autoflat.step`, so autoflat transforms the function itself:
+
+    @{wrapper}
+    @autoflat.step(num_steps=10)
+    def update(...): ...
+"""

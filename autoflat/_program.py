@@ -143,6 +143,7 @@ class CallSpec:
         "unroll",
         "pack",
         "fn",
+        "may_fail",
         "__weakref__",
     )
 
@@ -169,6 +170,8 @@ class CallSpec:
         self.unroll = unroll
         self.pack = pack
         self.fn = fn  # the step's source analysis: its name and location for messages
+        # Whether the program calls back to the host (set at its first trace; see `calls_back`).
+        self.may_fail: bool | None = None
 
     def __repr__(self) -> str:
         return f"CallSpec({self.fn.name}, static={self.static})"
@@ -282,6 +285,26 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
 
 def _weak(a: Any) -> bool:
     return bool(getattr(getattr(a, "aval", None), "weak_type", False))
+
+
+# Primitives that run Python on the host while the program runs: it can fail there, after
+# the inputs were donated (`jax.pure_callback`, `io_callback`, `jax.debug.callback`/`print`,
+# and what builds on them: `eqx.error_if`, host-side checks).
+_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
+
+
+def calls_back(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr, or any jaxpr inside it, calls back to the host."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _CALLBACKS:
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and calls_back(inner):
+                    return True
+    return False
 
 
 def jitted(note_trace: Callable[[CallSpec, Any], None], donate: bool) -> Any:

@@ -74,7 +74,7 @@ class Compiled:
         if call.spec is not self._spec:
             raise error(CallError, AOT_MISMATCH, step._analysis)
         step.stats.calls += 1
-        state_out, outputs = launch(step, self.jax, call)
+        state_out, outputs = launch(step, call, self.jax)
         return finish(step, call, state_out, outputs)
 
     def cost_analysis(self) -> Any:

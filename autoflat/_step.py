@@ -14,15 +14,26 @@ import inspect
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
 from . import _caches
 from ._analysis import analyse, unwrap_function
-from ._call import finish, launch, prepare
+from ._call import finish, launch, prepare, runner
 from ._diagnostics import Diagnostics, Stats
-from ._errors import BAD_NAMES, BAD_NUM_STEPS, BAD_PACK, OptionError, error
+from ._errors import (
+    BAD_FLAG,
+    BAD_NAMES,
+    BAD_NUM_STEPS,
+    BAD_PACK,
+    DECORATOR_ORDER,
+    Location,
+    OptionError,
+    SourceError,
+    error,
+    where,
+)
 from ._handles import LazyHandle, Origin
 from ._nnx import NnxState
 from ._program import Program, Programs, SpecCache, entry, jitted
@@ -61,11 +72,17 @@ class Step:
         broadcast: str | Iterable[str] | None = None,
         static_argnames: str | Iterable[str] | None = None,
         per_step: str | Iterable[str] | None = None,
-        donate: bool = True,
+        donate: bool | Literal["always"] = True,
         unroll: int | bool = 1,
         lazy: bool = True,
         pack: PackMode = False,
     ) -> None:
+        if isinstance(fn, (staticmethod, classmethod)):
+            # `@autoflat.step` above `@staticmethod`: the binding would go wrong later.
+            inner = fn.__func__
+            code = inner.__code__
+            at = Location(inner.__qualname__, where(code.co_filename, code.co_firstlineno))
+            raise error(SourceError, DECORATOR_ORDER, at, wrapper=type(fn).__name__)
         self._user_fn = unwrap_function(fn)
         analysis = self._analysis = analyse(fn)
         state_, broadcast_, static_, per_step_ = (
@@ -101,9 +118,10 @@ class Step:
             instance=instance,
         )
         self.num_steps = num_steps
-        self.donate = bool(donate)
+        _check_flags(analysis, donate=donate, lazy=lazy, unroll=unroll)
+        self.donate: bool | Literal["always"] = donate
         self.unroll = unroll
-        self.lazy = bool(lazy)
+        self.lazy = lazy
         self.pack: PackMode = pack
         self._signature = inspect.signature(self._user_fn)
         self._params = params
@@ -121,7 +139,9 @@ class Step:
         self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
         # Flax NNX objects passed again and again (mutation style).
         self._nnx = NnxState()
-        self._jit = jitted(self._diag.note_trace, self.donate)
+        self._jit = jitted(self._diag.note_trace, bool(self.donate))
+        # The same program without donation, for programs that call back to the host.
+        self._jit_keep = jitted(self._diag.note_trace, False) if self.donate is True else None
         functools.update_wrapper(self, fn)
         _all_steps.add(self)
 
@@ -151,7 +171,7 @@ class Step:
         self._diag.warn_if_pending(stacklevel=2)
         self._diag.stats.calls += 1
         call = prepare(self, args, kwargs)
-        state_out, outputs = launch(self, self._jit, call, call.spec)
+        state_out, outputs = launch(self, call)
         return finish(self, call, state_out, outputs)
 
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
@@ -160,12 +180,16 @@ class Step:
         `jax.jit(f).lower`): `.compile()` gives a callable `Compiled` with `cost_analysis()`
         and `memory_analysis()`. Nothing is donated or written back."""
         call = prepare(self, args, kwargs)
-        return Lowered(self, call, self._jit.lower(call.spec, *call.inputs()))
+        return Lowered(
+            self, call, runner(self, call.spec, call.inputs()).lower(call.spec, *call.inputs())
+        )
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace the step for these arguments (as `jax.jit(f).trace`): `.jaxpr`, `.lower()`."""
         call = prepare(self, args, kwargs)
-        return Traced(self, call, self._jit.trace(call.spec, *call.inputs()))
+        return Traced(
+            self, call, runner(self, call.spec, call.inputs()).trace(call.spec, *call.inputs())
+        )
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The step's result for these arguments as `jax.ShapeDtypeStruct`s, in the shape the
@@ -184,7 +208,8 @@ class Step:
         self._nnx.cache = None
         self._last.clear()
         self._diag.forget_traces()
-        self._jit = jitted(self._diag.note_trace, self.donate)
+        self._jit = jitted(self._diag.note_trace, bool(self.donate))
+        self._jit_keep = jitted(self._diag.note_trace, False) if self.donate is True else None
 
     def __repr__(self) -> str:
         return f"<autoflat.step {self.__qualname__} num_steps={self.num_steps}>"
@@ -195,11 +220,37 @@ class Step:
         return functools.partial(self, obj)
 
 
+def _check_flags(analysis: Any, *, donate: Any, lazy: Any, unroll: Any) -> None:
+    """Options that are not role names: checked at decoration, not at the first call."""
+    checks = (
+        (
+            "donate",
+            donate,
+            donate is True or donate is False or donate == "always",
+            'True, False or "always"',
+        ),
+        ("lazy", lazy, isinstance(lazy, bool), "True or False"),
+        (
+            "unroll",
+            unroll,
+            isinstance(unroll, bool) or (isinstance(unroll, int) and unroll >= 1),
+            "an int >= 1, True or False (as lax.scan takes it)",
+        ),
+    )
+    for option, value, ok, allowed in checks:
+        if not ok:
+            raise error(
+                OptionError, BAD_FLAG, analysis, option=option, value=value, allowed=allowed
+            )
+
+
 def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
     if value is None:
         return frozenset()
     if isinstance(value, str):
         return frozenset({value})
+    if isinstance(value, (bytes, bytearray)):
+        raise error(OptionError, BAD_NAMES, analysis, option=option, value=value)
     if isinstance(value, Mapping):
         value = list(value)
     try:

@@ -1,0 +1,162 @@
+"""The failure catalogue: after any exception the caller's state still works, and bad options
+fail at decoration with a clear error. Each test failed before the change it covers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoflat
+
+
+class _Flaky:
+    """A host check that fails on one call."""
+
+    def __init__(self, fail_on):
+        self.calls = 0
+        self.fail_on = fail_on
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise ValueError("the host check failed")
+        return np.asarray(x)
+
+
+def _callback_step(check):
+    def update(state, x):
+        new = {"w": state["w"] + x}
+        w = jax.pure_callback(check, jax.ShapeDtypeStruct((3,), jnp.float32), new["w"])
+        state = {"w": w}
+        return state
+
+    return update
+
+
+def test_a_run_time_failure_does_not_destroy_the_donated_input():
+    check = _Flaky(fail_on=3)
+    step = autoflat.step(_callback_step(check))  # donate=True, the default
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    s = step(s, jnp.ones(3))
+    with pytest.raises(Exception, match="the host check failed"):
+        out = step(s, jnp.ones(3))
+        jax.block_until_ready(jax.tree.leaves(out))
+    # The handle passed to the call that failed is intact and not consumed: retry with it.
+    np.testing.assert_allclose(s["w"], [2.0] * 3)
+    s = step(s, jnp.ones(3))
+    np.testing.assert_allclose(s["w"], [3.0] * 3)
+    assert "pure_callback" in str(step.trace(s, jnp.ones(3)).jaxpr)
+
+
+def test_a_run_time_failure_leaves_mutation_style_state_intact():
+    check = _Flaky(fail_on=3)
+
+    def update(totals, x):
+        w = jax.pure_callback(check, jax.ShapeDtypeStruct((3,), jnp.float32), totals["w"] + x)
+        totals["w"] = w
+
+    step = autoflat.step(update)
+    totals = {"w": jnp.zeros(3)}
+    step(totals, jnp.ones(3))
+    step(totals, jnp.ones(3))  # now totals["w"] holds a buffer autoflat wrote
+    with pytest.raises(Exception, match="the host check failed"):
+        step(totals, jnp.ones(3))
+        jax.block_until_ready(totals["w"])
+    np.testing.assert_allclose(totals["w"], [2.0] * 3)
+
+
+def test_donate_always_donates_a_program_that_calls_back():
+    step = autoflat.step(_callback_step(_Flaky(fail_on=-1)), donate="always")
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    step(s, jnp.ones(3))
+    with pytest.raises(autoflat.ConsumedError):
+        float(s["w"][0])
+    plain = autoflat.step(_callback_step(_Flaky(fail_on=-1)))
+    s = plain({"w": jnp.zeros(3)}, jnp.ones(3))
+    plain(s, jnp.ones(3))
+    assert float(s["w"][0]) == 1.0  # not donated: the program calls back to the host
+
+
+def test_programs_without_callbacks_still_donate():
+    def update(state, x):
+        state = {"w": state["w"] + x}
+        return state
+
+    step = autoflat.step(update)
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    step(s, jnp.ones(3))
+    with pytest.raises(autoflat.ConsumedError):
+        float(s["w"][0])
+    assert autoflat.stats(step).traces == 1  # the check reuses the first trace
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("unroll", "x", "unroll must be an int >= 1"),
+        ("unroll", None, "unroll must be an int >= 1"),
+        ("unroll", 2.5, "unroll must be an int >= 1"),
+        ("unroll", 0, "unroll must be an int >= 1"),
+        ("donate", "False", "donate must be True, False or \"always\", got 'False'"),
+        ("donate", "no", "donate must be"),
+        ("lazy", "False", "lazy must be True or False, got 'False'"),
+        (
+            "static_argnames",
+            b"x",
+            "static_argnames= takes a parameter name or a sequence of names, got b'x'",
+        ),
+    ],
+)
+def test_bad_options_fail_at_decoration(option, value, message):
+    def update(state, x):
+        state = state + x
+        return state
+
+    with pytest.raises(autoflat.OptionError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        autoflat.step(update, **{option: value})
+
+
+def test_step_above_staticmethod_is_refused():
+    with pytest.raises(autoflat.SourceError, match="Put `@staticmethod` above `@autoflat.step`"):
+
+        class Trainer:
+            @autoflat.step
+            @staticmethod
+            def update(state, x):
+                state = state + x
+                return state
+
+
+def test_show_and_stats_on_a_method_reached_through_an_instance():
+    class Trainer:
+        def __init__(self, lr):
+            self.lr = lr
+
+        @autoflat.step
+        def train(self, model, x):
+            model = model + self.lr * x
+            return model
+
+    t = Trainer(0.5)
+    t.train(jnp.float32(0.0), jnp.ones(()))
+    assert autoflat.stats(t.train).calls == 1
+    assert "# self: broadcast (the method's instance)" in autoflat.show(t.train)
+
+
+def test_eqx_error_if_is_a_run_time_failure_that_loses_nothing():
+    eqx = pytest.importorskip("equinox")
+
+    def update(state, x):
+        w = eqx.error_if(state["w"] + x, state["w"][0] > 1.5, "too big")
+        state = {"w": w}
+        return state
+
+    step = autoflat.step(update)
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    s = step(s, jnp.ones(3))
+    with pytest.raises(Exception, match="too big"):
+        out = step(s, jnp.ones(3))
+        jax.block_until_ready(jax.tree.leaves(out))
+    np.testing.assert_allclose(s["w"], [2.0] * 3)  # the input of the failed call
