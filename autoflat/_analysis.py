@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import textwrap
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -20,10 +21,12 @@ import libcst.metadata as meta
 
 from ._errors import (
     FUNCTOOLS_PARTIAL,
+    JIT_OPTIONS,
     NO_SOURCE,
     RETURNS_DISAGREE,
     UNSUPPORTED,
     UNSUPPORTED_ADVICE,
+    WRAPPED_STEP,
     Located,
     Location,
     SourceError,
@@ -119,11 +122,15 @@ def _location(fn: Any) -> Location:
 
 
 def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The plain Python function under `functools.wraps`-style and `jax.jit` wrappers.
+    """The plain Python function under a `jax.jit` or `eqx.filter_jit` wrapper, which autoflat
+    replaces (it compiles the step itself).
 
     **Raises:**
 
-    `SourceError` for a `functools.partial`, whose bound arguments autoflat cannot see.
+    `SourceError` for a `functools.partial`, whose bound arguments autoflat cannot see; for a
+    `jax.jit` with options (static arguments, donation, shardings) autoflat would drop; and
+    for any other wrapper (`functools.wraps`, `jax.vmap`, ...): autoflat regenerates the
+    function from its source, so a wrapper under it would silently not run.
     """
     seen = set()
     while id(fn) not in seen:
@@ -136,7 +143,63 @@ def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is None or not callable(wrapped):
             break
+        kind = _jit_kind(fn)
+        if kind is None:
+            raise error(
+                SourceError,
+                WRAPPED_STEP,
+                _location(_innermost(wrapped)),
+                wrapper=_wrapper_name(fn),
+            )
+        options = _jit_options(fn)
+        if options:
+            raise error(SourceError, JIT_OPTIONS, _location(_innermost(wrapped)), options=options)
         fn = wrapped
+    return fn
+
+
+def _jit_kind(fn: Any) -> str | None:
+    """`jax.jit` or `eqx.filter_jit` if `fn` is one of them, else None."""
+    if type(fn).__name__ == "PjitFunction" and hasattr(fn, "lower"):
+        return "jax.jit"
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and type(fn).__name__ == "_JitWrapper":
+        return "eqx.filter_jit"
+    return None
+
+
+def _jit_options(fn: Any) -> str:
+    """The options of a `jax.jit` that autoflat would drop, in words ("" if none or unknown:
+    JAX before 0.5 does not expose them)."""
+    info = getattr(fn, "_jit_info", None)
+    if info is None:
+        return ""
+    found = []
+    for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
+        if getattr(info, name, ()):
+            found.append(f"{name}={getattr(info, name)!r}")
+    if getattr(info, "user_specified_in_shardings", False):
+        found.append("in_shardings")
+    if any(
+        type(s).__name__ != "UnspecifiedValue" for s in getattr(info, "out_shardings_leaves", ())
+    ):
+        found.append("out_shardings")
+    return ", ".join(found)
+
+
+def _wrapper_name(fn: Any) -> str:
+    """A wrapper's own name (`functools.wraps` copies the wrapped function's onto it)."""
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return f"{code.co_qualname} ({where(code.co_filename, code.co_firstlineno)})"
+    return type(fn).__qualname__
+
+
+def _innermost(fn: Any) -> Any:
+    seen = set()
+    while id(fn) not in seen and getattr(fn, "__wrapped__", None) is not None:
+        seen.add(id(fn))
+        fn = fn.__wrapped__
     return fn
 
 

@@ -311,3 +311,24 @@ DECORATOR_ORDER = """\
     @autoflat.step(num_steps=10)
     def update(...): ...
 """
+
+WRAPPED_STEP = """\
+`{name}` ({where}) is wrapped by `{wrapper}` under `@autoflat.step`. autoflat regenerates \
+the step from its source, so that wrapper would silently not run. Put `@autoflat.step` \
+directly on the `def` and apply other decorators above it, or do the wrapper's work in the \
+body:
+
+    @other_decorator
+    @autoflat.step(num_steps=10)
+    def update(...): ...
+
+(`jax.jit` and `eqx.filter_jit` without options may stay under it: autoflat compiles the step
+itself.)
+"""
+
+JIT_OPTIONS = """\
+`{name}` ({where}) is wrapped by `jax.jit` with {options} under `@autoflat.step`, which \
+autoflat would drop (it compiles the step itself). Remove the inner `jax.jit` and give \
+autoflat the options it takes: `static_argnames=` for static arguments; autoflat donates the \
+state it produced on its own (`donate=`); shardings come from the arguments you pass.
+"""

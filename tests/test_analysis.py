@@ -68,7 +68,9 @@ def test_roles_explicit_override():
     assert roles.layout.entries == (("state", 0), ("out", 0), ("out", 1))
 
 
-def test_wrapped_functions_are_unwrapped():
+def test_jit_wrappers_are_unwrapped_and_other_wrappers_refused():
+    assert analyse(jax.jit(functional)).name == "functional"
+
     def deco(f):
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
@@ -76,8 +78,15 @@ def test_wrapped_functions_are_unwrapped():
 
         return wrapper
 
-    assert analyse(deco(functional)).name == "functional"
-    assert analyse(jax.jit(functional)).name == "functional"
+    # A wrapper under the step would silently not run: refused, naming it.
+    with pytest.raises(autoflat.SourceError, match=r"wrapped by `.*deco.<locals>.wrapper \("):
+        autoflat.step(deco(functional))
+    with pytest.raises(autoflat.SourceError, match="wrapped by `.*` under"):
+        autoflat.step(jax.vmap(functional))
+    # jax.jit's options would be dropped: refused, naming them (where JAX exposes them).
+    if hasattr(jax.jit(functional), "_jit_info"):
+        with pytest.raises(autoflat.SourceError, match="static_argnames=\\('lr',\\)"):
+            autoflat.step(jax.jit(functional, static_argnames="lr"))
 
 
 def _raises(fn, match, kind=autoflat.SourceError, **options):

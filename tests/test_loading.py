@@ -106,11 +106,12 @@ def test_calling_conventions():
         step(m, jnp.float32(1.0), nope=1)
 
 
-def test_jit_and_wraps_wrapped_functions():
+def test_jit_wrapped_functions_and_wrappers_above_the_step():
     def deco(f):
         @functools.wraps(f)
         def wrapper(*a, **k):
-            return f(*a, **k)
+            out = f(*a, **k)
+            return out[0], out[1] * 10  # the wrapper's work runs: it is above the step
 
         return wrapper
 
@@ -120,15 +121,16 @@ def test_jit_and_wraps_wrapped_functions():
         model = model + x
         return model, x * 2
 
-    @autoflat.step(num_steps=2)
     @deco
+    @autoflat.step(num_steps=2)
     def wrapped(model, x):
         model = model + x
         return model, x * 2
 
-    for step in (jitted, wrapped):
-        m, xs = step(jnp.float32(0.0), jnp.array([1.0, 2.0], jnp.float32))
-        assert float(m) == 3.0 and xs.tolist() == [2.0, 4.0]
+    m, xs = jitted(jnp.float32(0.0), jnp.array([1.0, 2.0], jnp.float32))
+    assert float(m) == 3.0 and xs.tolist() == [2.0, 4.0]
+    m, xs = wrapped(jnp.float32(0.0), jnp.array([1.0, 2.0], jnp.float32))
+    assert float(m) == 3.0 and xs.tolist() == [20.0, 40.0]
 
 
 def test_method_decoration():
