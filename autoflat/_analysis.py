@@ -408,6 +408,7 @@ _CONSTRUCTS = {
     "async": "`async`/`await`",
     "global": "a `global` statement",
     "nonlocal": "a `nonlocal` statement",
+    "starred": "a starred element in a `return` (`return p, *extras`)",
 }
 
 
@@ -468,6 +469,12 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     def_line = positions[funcdef.name].start.line + line_offset
 
     unsupported = [(c, line + line_offset) for c, line in visitor.unsupported]
+    unsupported += [
+        ("starred", line + line_offset)
+        for node, line in visitor.returns
+        if isinstance(node.value, cst.Tuple)
+        and any(isinstance(el, cst.StarredElement) for el in node.value.elements)
+    ]
     if variadic:
         unsupported.append(("varargs", def_line))
     if unsupported:

@@ -121,6 +121,9 @@ UNSUPPORTED_ADVICE = {
     "nonlocal": "Writing a variable of an enclosing function from a compiled step happens only "
     "while tracing, not on every step. Return the value instead:\n\n"
     "    return model, opt_state, new_value",
+    "starred": "autoflat needs to know at each `return` which position is which, before the "
+    "step runs. Return every element by itself, or the extras as one tuple:\n\n"
+    "    return p, a, b\n    return p, extras",
     "varargs": "Name every argument of the step explicitly:\n\n"
     "    def update(model, opt_state, batch, key): ...",
 }

@@ -160,3 +160,13 @@ def test_eqx_error_if_is_a_run_time_failure_that_loses_nothing():
         out = step(s, jnp.ones(3))
         jax.block_until_ready(jax.tree.leaves(out))
     np.testing.assert_allclose(s["w"], [2.0] * 3)  # the input of the failed call
+
+
+def test_a_starred_return_is_refused_not_nested():
+    def update(p, x):
+        p = p + x
+        extras = (x * 2, x * 3)
+        return p, *extras
+
+    with pytest.raises(autoflat.SourceError, match=r"a starred element in a `return`"):
+        autoflat.step(update)
