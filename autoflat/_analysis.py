@@ -400,7 +400,44 @@ def _falls_through(body: cst.BaseSuite) -> bool:
         return _falls_through(last.body) or _falls_through(other)
     if isinstance(last, cst.With):
         return _falls_through(last.body)
+    if isinstance(last, (cst.Try, cst.TryStar)):
+        if last.finalbody is not None and not _falls_through(last.finalbody.body):
+            return False  # the `finally` returns or raises
+        tail = last.orelse.body if last.orelse is not None else last.body
+        # Reached after the `try` body (through `else`, if any) or after any handler.
+        return _falls_through(tail) or any(_falls_through(h.body) for h in last.handlers)
+    if isinstance(last, cst.While):
+        forever = isinstance(last.test, cst.Name) and last.test.value == "True"
+        return not forever or _breaks(last.body)
+    if isinstance(last, cst.Match):
+        exhaustive = any(
+            isinstance(c.pattern, cst.MatchAs) and c.pattern.pattern is None and c.guard is None
+            for c in last.cases
+        )
+        return not exhaustive or any(_falls_through(c.body) for c in last.cases)
     return True
+
+
+def _breaks(body: cst.BaseSuite) -> bool:
+    """Whether a loop body has a `break` of its own loop (not of a nested one)."""
+    found = False
+
+    class Finder(cst.CSTVisitor):
+        def visit_Break(self, node: cst.Break) -> None:
+            nonlocal found
+            found = True
+
+        def visit_For(self, node: cst.For) -> bool:
+            return False  # a nested loop's `break` is its own
+
+        def visit_While(self, node: cst.While) -> bool:
+            return False
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+            return False
+
+    body.visit(Finder())
+    return found
 
 
 _CONSTRUCTS = {

@@ -170,3 +170,35 @@ def test_a_starred_return_is_refused_not_nested():
 
     with pytest.raises(autoflat.SourceError, match=r"a starred element in a `return`"):
         autoflat.step(update)
+
+
+def test_bodies_that_always_return_through_try_match_or_while_true():
+    def with_try(p, x):
+        try:
+            p = p + x
+            return p
+        except ValueError:
+            return p
+
+    def with_finally(p, x):
+        try:
+            p = p + x
+        finally:
+            return p  # noqa: B012
+
+    def with_match(p, x, mode):
+        match mode:
+            case "add":
+                return p + x
+            case _:
+                return p - x
+
+    def with_while(p, x):
+        while True:
+            p = p + x
+            return p
+
+    for fn, extra in ((with_try, ()), (with_finally, ()), (with_match, ("add",)), (with_while, ())):
+        step = autoflat.step(fn, state="p", static_argnames=("mode",) if extra else ())
+        out = step(jnp.ones(2), jnp.ones(2), *extra)
+        np.testing.assert_allclose(out, [2.0, 2.0])
