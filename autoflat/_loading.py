@@ -14,25 +14,33 @@ import linecache
 import os
 import sys
 import types
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _caches
 from ._codegen import GeneratedCode
 from ._errors import USER_ERROR_NOTE, where
 
 _registered: set[str] = set()
+# Every file name ever given out (names are never reused, even after their program is freed).
+_taken: set[str] = set()
 
 
 def filename_for(name: str, index: int, user_file: str, line: int) -> str:
-    """The file name generated code is compiled under: `<autoflat:NAME:INDEX from FILE:LINE>`.
+    """The file name generated code is compiled under: `<autoflat:NAME:INDEX from FILE:LINE>`,
+    with INDEX the first not yet taken by any program (two steps made from one function get
+    names of their own, so neither shows the other's lines).
 
     The angle brackets matter. `linecache` never looks such a name up on disk or through a
     module's `__loader__`; any other name would, after `linecache.clearcache()`, be read
     through the loader of the module whose globals the code runs with (the user's) and show
     lines of the user's file.
     """
-    return f"<autoflat:{name}:{index} from {os.path.basename(user_file)}:{line}>"
+    base = os.path.basename(user_file)
+    while (filename := f"<autoflat:{name}:{index} from {base}:{line}>") in _taken:
+        index += 1
+    _taken.add(filename)
+    return filename
 
 
 def _register(filename: str, source: str) -> None:
@@ -84,7 +92,14 @@ def load(
     )
     fn.__qualname__ = getattr(user_fn, "__qualname__", generated.function)
     fn.__module__ = getattr(user_fn, "__module__", None)  # type: ignore[assignment]
+    # The lines stay in `linecache` while the function lives (tracebacks, pdb), no longer.
+    weakref.finalize(fn, _forget, filename)
     return fn
+
+
+def _forget(filename: str) -> None:
+    linecache.cache.pop(filename, None)
+    _registered.discard(filename)
 
 
 def _find_code(code: types.CodeType, name: str) -> types.CodeType:
@@ -92,14 +107,6 @@ def _find_code(code: types.CodeType, name: str) -> types.CodeType:
         if isinstance(c, types.CodeType) and c.co_name == name:
             return c
     raise RuntimeError(f"autoflat: no code object {name!r} in generated module")  # pragma: no cover
-
-
-@_caches.register
-def clear() -> None:
-    """Drop the lines of every generated file from `linecache`."""
-    for f in _registered:
-        linecache.cache.pop(f, None)
-    _registered.clear()
 
 
 def _fake_frame_tb(filename: str, line: int, funcname: str) -> types.TracebackType | None:

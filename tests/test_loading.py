@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import linecache
+import re
 import traceback
 
 import jax
@@ -55,10 +56,8 @@ def test_live_closure_cells():
 def test_linecache_and_inspect():
     step = autoflat.step(scaled)
     program = step.programs[0]
-    assert (
-        program.filename
-        == f"<autoflat:scaled:0 from test_loading.py:{scaled.__code__.co_firstlineno}>"
-    )
+    line = scaled.__code__.co_firstlineno
+    assert re.fullmatch(rf"<autoflat:scaled:\d+ from test_loading.py:{line}>", program.filename)
     assert "".join(linecache.getlines(program.filename)) == autoflat.show(step)
     assert inspect.getsource(program.fn).startswith("    def scaled(")
 
@@ -176,3 +175,20 @@ def test_generated_lines_are_never_read_through_the_users_module():
     linecache.clearcache()
     assert linecache.getlines(filename, scaled.__globals__) == []
     assert filename not in linecache.cache
+
+
+def test_two_steps_from_one_function_keep_their_own_lines():
+    import gc
+
+    one = autoflat.step(scaled)
+    two = autoflat.step(scaled, num_steps=2)
+    a, b = one.programs[0].filename, two.programs[0].filename
+    assert a != b
+    assert "".join(linecache.getlines(a)) == autoflat.show(one)
+    assert "".join(linecache.getlines(b)) == autoflat.show(two)
+    autoflat.clear_caches()  # the programs are alive: their lines stay
+    assert "".join(linecache.getlines(a)) == autoflat.show(one)
+    del one
+    gc.collect()
+    assert linecache.getlines(a) == []  # freed with the step
+    assert "".join(linecache.getlines(b)) == autoflat.show(two)
