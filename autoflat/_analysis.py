@@ -535,10 +535,14 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     body_first = positions[body.body[0]].start.line if isinstance(body, cst.IndentedBlock) else 0
 
     # Free names: read somewhere in the source and bound nowhere in it (builtins included).
+    # The step's own name counts as free: the parsed source binds it, but at run time the body
+    # reads it from the user's module (a recursive call, the step decorated there).
     free: set[str] = set()
     for scope in {s for s in scopes.values() if s is not None}:
         for access in scope.accesses:
-            if all(isinstance(a, meta.BuiltinAssignment) for a in access.referents):
+            if all(
+                isinstance(a, meta.BuiltinAssignment) or a.node is funcdef for a in access.referents
+            ):
                 free.add(_access_name(access.node))
     free.discard("")
 

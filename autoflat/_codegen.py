@@ -93,6 +93,39 @@ class _BodyMarker(cst.CSTTransformer):
         return updated_node
 
 
+class _SuperRewriter(cst.CSTTransformer):
+    """`super()` -> `super(__class__, self)` in the function's own body (a nested function's
+    `super()` is its own business)."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+        self.depth = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self.depth += 1
+        return self.depth == 1
+
+    def leave_FunctionDef(
+        self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef
+    ) -> cst.FunctionDef:
+        self.depth -= 1
+        return updated_node
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        func = updated_node.func
+        if isinstance(func, cst.Name) and func.value == "super" and not updated_node.args:
+            return updated_node.with_changes(
+                args=[
+                    cst.Arg(
+                        cst.Name("__class__"),
+                        comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")),
+                    ),
+                    cst.Arg(cst.Name(self.instance)),
+                ]
+            )
+        return updated_node
+
+
 class _ReturnRewriter(cst.CSTTransformer):
     """Rewrites the function's own `return` statements (those the analysis found; a nested
     function's are left alone) and records where each new statement came from."""
@@ -212,6 +245,9 @@ def generate(
     )
     carry, x, marker = namer("_af_carry"), namer("_af_x"), namer("_af_body")
     factory = namer(f"_autoflat_{name}")
+    # The generated function keeps the step's name, unless the body reads that name (a call of
+    # the module-level function or step): then it must not be shadowed by the generated one.
+    function = namer(name) if name in analysis.free_names else name
     step_name = namer(f"{name}_step")
     scanning = num_steps > 1
 
@@ -241,6 +277,12 @@ def generate(
     # The user's body, its own returns rewritten.
     rewriter = _ReturnRewriter(analysis.return_nodes, make_return)
     new_func = cst.ensure_type(funcdef.visit(rewriter), cst.FunctionDef)
+    if "__class__" in freevars and analysis.param_names:
+        # Zero-argument `super()` in a method: the generated function is not the method, so
+        # name its class (the method's own `__class__` cell) and instance explicitly.
+        new_func = cst.ensure_type(
+            new_func.visit(_SuperRewriter(analysis.param_names[0])), cst.FunctionDef
+        )
     statements = list(cst.ensure_type(new_func.body, cst.IndentedBlock).body)
     if statements and _is_docstring(statements[0]):
         statements = statements[1:]  # the docstring documents the step, it does not run
@@ -328,7 +370,7 @@ def generate(
 
     names = {
         "factory": factory,
-        "function": name,
+        "function": function,
         "spec": spec,
         "state": state_in,
         "xs": xs_in,
@@ -348,7 +390,7 @@ def generate(
     return GeneratedCode(
         source=module.code,
         factory=factory,
-        function=name,
+        function=function,
         helpers=helpers,
         line_map=_line_map(module, rewriter.origin, analysis),
     )

@@ -202,3 +202,48 @@ def test_bodies_that_always_return_through_try_match_or_while_true():
         step = autoflat.step(fn, state="p", static_argnames=("mode",) if extra else ())
         out = step(jnp.ones(2), jnp.ones(2), *extra)
         np.testing.assert_allclose(out, [2.0, 2.0])
+
+
+def _helper(x):
+    return x * 2
+
+
+def recursive_name(p, x):
+    p = p + x
+    if p is None:  # never: only the name is read
+        recursive_name(p, x)
+    return p
+
+
+def test_a_body_that_reads_its_own_name_or_a_method_named_like_a_global():
+    step = autoflat.step(recursive_name)
+    np.testing.assert_allclose(step(jnp.ones(2), jnp.ones(2)), [2.0, 2.0])
+
+    class Trainer:
+        def _helper(self, x):  # a method named like the module-level function the body calls
+            return x
+
+        @autoflat.step
+        def train(self, p, x):
+            p = p + _helper(x)
+            return p
+
+    np.testing.assert_allclose(Trainer().train(jnp.ones(2), jnp.ones(2)), [3.0, 3.0])
+
+
+def test_zero_argument_super_in_a_method_step():
+    class Base:
+        def scale(self):
+            return 2.0
+
+    class Child(Base):
+        def scale(self):
+            return 10.0
+
+        @autoflat.step(num_steps=2)
+        def train(self, p, x):
+            p = p + x * super().scale()
+            return p
+
+    np.testing.assert_allclose(Child().train(jnp.ones(2), jnp.ones((2, 2))), [5.0, 5.0])
+    assert "super(__class__, self).scale()" in autoflat.show(Child.train)
