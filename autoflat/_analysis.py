@@ -541,7 +541,8 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     for scope in {s for s in scopes.values() if s is not None}:
         for access in scope.accesses:
             if all(
-                isinstance(a, meta.BuiltinAssignment) or a.node is funcdef for a in access.referents
+                isinstance(a, meta.BuiltinAssignment) or getattr(a, "node", None) is funcdef
+                for a in access.referents
             ):
                 free.add(_access_name(access.node))
     free.discard("")
