@@ -209,6 +209,14 @@ def _take_state(
             if type(a) is LazyHandle and id(a) in seen:
                 leaves[k] = copy_leaves(leaves[k])
             seen.add(id(a))
+    if donated and step.donate:
+        # A handle given as state and also as another argument (broadcast, per-step): its
+        # buffers would be donated and read in one call. The state's copy is donated.
+        others = {id(args[i]) for i in (*program.bcast_idx, *program.scanned_idx)}
+        if others.intersection(map(id, donated)):
+            for k, i in enumerate(program.state_idx):
+                if type(args[i]) is LazyHandle and id(args[i]) in others:
+                    leaves[k] = copy_leaves(leaves[k])
     return structures, leaves, placements, layouts
 
 

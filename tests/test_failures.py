@@ -247,3 +247,14 @@ def test_zero_argument_super_in_a_method_step():
 
     np.testing.assert_allclose(Child().train(jnp.ones(2), jnp.ones((2, 2))), [5.0, 5.0])
     assert "super(__class__, self).scale()" in autoflat.show(Child.train)
+
+
+def test_the_same_handle_as_state_and_as_another_argument():
+    def update(state, reference, x):
+        state = {"w": state["w"] + reference["w"] * x}
+        return state
+
+    step = autoflat.step(update, broadcast="reference")
+    s = step({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, jnp.ones(2))
+    s2 = step(s, s, jnp.ones(2))  # one handle as the state and as the broadcast reference
+    np.testing.assert_allclose(s2["w"], [4.0, 4.0])
