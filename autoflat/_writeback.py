@@ -139,8 +139,12 @@ def _unwritable_path(treedef: Any, path: str) -> tuple[str, type] | None:
     if data is None:
         return (path, type(None)) if path == "" else None
     typ, aux = data
-    if typ in (dict, list) or not _structure._type_immutable(typ) and typ is not type(None):
+    if typ in (dict, list):
         return None
+    if not _structure._type_immutable(typ) and typ is not type(None):
+        # A mutable object is updated through its `__dict__`: one without (`__slots__`)
+        # would refuse only after the call.
+        return None if getattr(typ, "__dictoffset__", 0) else (path, typ)
     # An immutable node: it cannot be changed in place, so every child must be.
     children = treedef.children()
     keys = list(aux) if typ is dict else list(range(len(children)))

@@ -258,3 +258,47 @@ def test_the_same_handle_as_state_and_as_another_argument():
     s = step({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, jnp.ones(2))
     s2 = step(s, s, jnp.ones(2))  # one handle as the state and as the broadcast reference
     np.testing.assert_allclose(s2["w"], [4.0, 4.0])
+
+
+class _Dict:
+    """The same, with a `__dict__`: written back in place."""
+
+    def __init__(self, w):
+        self.w = w
+
+
+jax.tree_util.register_pytree_node(
+    _Dict, lambda s: ((s.w,), None), lambda _, children: _Dict(*children)
+)
+
+
+class _Slotted:
+    """A mutable pytree class whose instances have no `__dict__`."""
+
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+
+jax.tree_util.register_pytree_node(
+    _Slotted, lambda s: ((s.w,), None), lambda _, children: _Slotted(*children)
+)
+
+
+def test_a_write_back_that_would_fail_is_refused_before_the_call():
+    def update(params, box, x):
+        box.w = box.w + x  # mutation style: written back into the caller's object
+        params = {"p": params["p"] * 2}
+        return params
+
+    step = autoflat.step(update)
+    written = _Dict(jnp.zeros(2))
+    params = step({"p": jnp.ones(2)}, written, jnp.ones(2))
+    np.testing.assert_allclose(written.w, [1.0, 1.0])
+    box = _Slotted(jnp.zeros(2))
+    with pytest.raises(autoflat.StateError, match="immutable") as info:
+        step(params, box, jnp.ones(2))
+    assert "test_failures.py" in str(info.value)
+    np.testing.assert_allclose(params["p"], [2.0, 2.0])  # the other state: not consumed
+    np.testing.assert_allclose(box.w, [0.0, 0.0])
