@@ -10,7 +10,8 @@ the caller's objects:
   last call (`_nnx`: no graph traversal); an unconsumed lazy handle (its interned structure and
   leaf list as they are: no `tree_flatten`); anything else is flattened once and its structure
   interned, then packed (`_transport`) or, with donation on, copied unless autoflat wrote those
-  very buffers (`_writeback.all_ours`), so the caller's own arrays are never donated;
+  very buffers into this object and nothing else holds them (`_writeback.all_ours`), so the
+  caller's own arrays are never donated;
 - *broadcast*: an unconsumed handle's leaves, the same immutable object as last call by
   identity, or a flatten;
 - *spec*: the interned `CallSpec` (`_program.SpecCache`).
@@ -183,7 +184,7 @@ def _take_state(
             # Packing makes fresh buffers: they may be donated without a copy.
             arrays = _transport.pack_on_device(layout, arrays)
             stats.copies += 1
-        elif step.donate and arrays and not _writeback.all_ours(arrays):
+        elif step.donate and arrays and not _writeback.all_ours(arrays, a):
             arrays = copy_leaves(arrays)
             stats.copies += 1
         elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
@@ -318,7 +319,7 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
         if type(args[i]) is not LazyHandle:
             # The caller's object now holds buffers this call produced: a later call (of this
             # step or another) may donate them without a copy while they are still these.
-            _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]))
+            _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]), args[i])
     if hit is not None or nnx_vars:
         step._nnx.remember(
             program, args, nnx_vars, written, list(spec.structures), list(spec.placements), hit

@@ -194,6 +194,10 @@ class NnxCache:
                 return False  # a value was set from outside (by hand, a restored checkpoint)
         return True
 
+    def owns(self, obj: Any) -> bool:
+        """Whether `obj` is one of the NNX objects this cache saw."""
+        return any(ref is not None and ref() is obj for _k, _i, ref in self._positions)
+
     def written(self, k: int, arrays: list[Any]) -> None:
         self.arrays[k] = arrays
         self._ids = None
@@ -218,9 +222,10 @@ class NnxState:
         self.cache: NnxCache | None = None
         register_holder(self)
 
-    def holds(self, arrays: Iterable[Any]) -> bool:
+    def holds(self, arrays: Iterable[Any], owner: Any) -> bool:
+        """Whether the cache wrote every one of `arrays` into its object `owner`."""
         cache = self.cache
-        return cache is not None and cache.holds(arrays)
+        return cache is not None and cache.owns(owner) and cache.holds(arrays)
 
     def lookup(self, program: Any, args: tuple[Any, ...]) -> NnxCache | None:
         """The cache, if this call passes its NNX objects again, unchanged."""

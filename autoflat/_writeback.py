@@ -6,9 +6,10 @@ has that argument as state; after the call the caller's object is updated in pla
 the new value (`write_back`). `check_writable` refuses, before the call, an object that cannot
 be updated in place (a tuple, a frozen dataclass, a bare array).
 
-Buffers written into callers' objects are recorded (`record_written`): a later call of any step
-may donate them without a copy while they are still those arrays (`all_ours`). Flax NNX
-Variables are written by `_nnx`, whose caches register here as holders of what they wrote.
+Buffers written into callers' objects are recorded (`record_written`) with the object they went
+into: a later call may donate them without a copy while they are still those arrays, reached
+through that same object, and held nowhere else (`all_ours`). Flax NNX Variables are written by
+`_nnx`, whose caches register here as holders of what they wrote.
 """
 
 from __future__ import annotations
@@ -25,39 +26,66 @@ from ._errors import CANNOT_WRITE_BACK, NOT_RETURNED, StateError, error
 from ._handles import _UNBUILT, LazyHandle
 from ._roles import is_mutable_module
 
-# Buffers that autoflat wrote into callers' objects, by id, weakly.
+# Buffers that autoflat wrote into callers' objects, by id, weakly, and the id of the object
+# each was written into (entries of freed arrays are pruned as the table grows).
 _written: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_owner: dict[int, int] = {}
 
 
 class Holder(Protocol):
-    def holds(self, arrays: Iterable[Any]) -> bool: ...
+    def holds(self, arrays: Iterable[Any], owner: Any) -> bool: ...
 
 
 # Objects that keep buffers they wrote themselves (the Flax NNX caches).
 _holders: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def record_written(arrays: Iterable[Any]) -> None:
+def record_written(arrays: Iterable[Any], owner: Any) -> None:
+    """`arrays` were written into the caller's object `owner`."""
     for arr in arrays:
         _written[id(arr)] = arr
+        _owner[id(arr)] = id(owner)
+    if len(_owner) > 2 * len(_written) + 1024:
+        for key in [k for k in _owner if k not in _written]:
+            del _owner[key]
 
 
 def register_holder(holder: Holder) -> None:
     _holders.add(holder)
 
 
-def all_ours(arrays: list[Any]) -> bool:
-    """Whether every array is one autoflat wrote into a caller's object and is still that one
-    (so donating it destroys nothing the caller made)."""
+def _refcounts(arrays: list[Any]) -> list[int]:
+    return [sys.getrefcount(a) for a in arrays]
+
+
+def _calibrate() -> int:
+    """References to an array held by one container and the caller's leaf list, as
+    `_refcounts` sees them (the same function, so the interpreter's own count is in it)."""
+    owner = [object()]
+    arrays = list(owner)
+    return _refcounts(arrays)[0]
+
+
+_ONLY_OURS = _calibrate()
+
+
+def all_ours(arrays: list[Any], owner: Any) -> bool:
+    """Whether every array is one autoflat wrote into this very object `owner`, is still that
+    array, and is held nowhere else (not appended to a history, not passed on): only then may
+    it be donated without a copy. `arrays` is the caller's list of `owner`'s leaves."""
     get = _written.get
-    if all(get(id(a)) is a for a in arrays):
-        return True
-    return any(holder.holds(arrays) for holder in list(_holders))
+    written = all(get(id(a)) is a and _owner.get(id(a)) == id(owner) for a in arrays)
+    kept = sum(1 for holder in list(_holders) if holder.holds(arrays, owner))
+    if not (written or kept):
+        return False
+    limit = _ONLY_OURS + kept  # the references that holders keep themselves
+    return all(n <= limit for n in _refcounts(arrays))
 
 
 @_caches.register
 def clear() -> None:
     _written.clear()
+    _owner.clear()
 
 
 def write_back(target: Any, new: LazyHandle, param: str, analysis: Analysis) -> None:

@@ -302,3 +302,51 @@ def test_a_write_back_that_would_fail_is_refused_before_the_call():
     assert "test_failures.py" in str(info.value)
     np.testing.assert_allclose(params["p"], [2.0, 2.0])  # the other state: not consumed
     np.testing.assert_allclose(box.w, [0.0, 0.0])
+
+
+def test_arrays_written_into_a_callers_object_are_donated_only_through_it():
+    def add(totals, x):
+        totals["sum"] = totals["sum"] + x  # mutation style: written back
+
+    def other(acc, y):
+        acc = acc + y
+        return acc
+
+    step, second = autoflat.step(add), autoflat.step(other)
+    totals = {"sum": jnp.zeros(2)}
+    step(totals, jnp.ones(2))
+    step(totals, jnp.ones(2))
+    assert autoflat.stats(step).copies == 1  # the second call donated what the first wrote
+    # Passed to another step by another road: copied, so `totals` keeps its array.
+    second(totals["sum"], jnp.ones(2))
+    np.testing.assert_allclose(totals["sum"], [2.0, 2.0])
+    # Kept elsewhere by the caller: copied before the next call, so the history survives.
+    history = []
+    for _ in range(3):
+        history.append(totals["sum"])
+        step(totals, jnp.ones(2))
+    np.testing.assert_allclose(np.stack(history), [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]])
+    np.testing.assert_allclose(totals["sum"], [5.0, 5.0])
+
+
+def test_a_flax_nnx_variable_passed_to_another_step_keeps_the_model_intact():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(2))
+
+    def train(model, x):
+        model.w[...] = model.w[...] + x
+
+    def other(acc, y):
+        acc = acc + y
+        return acc
+
+    model, step, second = Model(), autoflat.step(train), autoflat.step(other)
+    step(model, jnp.ones(2))
+    step(model, jnp.ones(2))
+    second(model.w[...], jnp.ones(2))
+    np.testing.assert_allclose(model.w[...], [2.0, 2.0])
+    step(model, jnp.ones(2))
+    np.testing.assert_allclose(model.w[...], [3.0, 3.0])
