@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jax
 
 from . import _caches
-from ._analysis import analyse, unwrap_function
+from ._analysis import analyse
 from ._call import finish, launch, prepare, runner
 from ._diagnostics import Diagnostics, Stats
 from ._errors import (
@@ -38,6 +38,7 @@ from ._handles import LazyHandle, Origin
 from ._nnx import NnxState
 from ._program import Program, Programs, SpecCache, entry, jitted
 from ._roles import Options
+from ._source import unwrap_function
 from ._stages import Lowered, Traced
 from ._structure import Structure
 from ._transport import PackMode
