@@ -59,7 +59,15 @@ def _static_key(leaf: Any) -> Any:
 class Structure:
     """An interned (treedef, static leaves, array positions) triple. Compare with `is`."""
 
-    __slots__ = ("treedef", "static_leaves", "array_positions", "n_arrays", "_immutable", "key")
+    __slots__ = (
+        "treedef",
+        "static_leaves",
+        "array_positions",
+        "n_arrays",
+        "_immutable",
+        "key",
+        "root_type",
+    )
 
     treedef: Any
     static_leaves: tuple[Any, ...]
@@ -76,6 +84,9 @@ class Structure:
         self.n_arrays = len(positions)
         self._immutable: bool | None = None
         self.key = key
+        data = treedef.node_data()
+        # The type of the root node (None for a leaf): read on every call (`handle.__class__`).
+        self.root_type: type | None = None if data is None else data[0]
 
     def unflatten(self, arrays: Sequence[Any]) -> Any:
         """Rebuild the value from its array leaves."""
@@ -89,11 +100,6 @@ class Structure:
         for pos, a in zip(self.array_positions, arrays, strict=True):
             leaves[pos] = a
         return leaves
-
-    @property
-    def root_type(self) -> type | None:
-        data = self.treedef.node_data()
-        return None if data is None else data[0]
 
     @property
     def immutable(self) -> bool:
