@@ -94,7 +94,16 @@ def copy_leaves(arrays: list[Any]) -> list[Any]:
     """Fresh buffers with the same values and placement (so donation never touches the
     caller's own arrays). Weak types are dropped: a step's outputs are strongly typed, so a
     weakly typed start (`jnp.full((3,), 1.0)`) would otherwise compile the step twice."""
-    return [jnp.array(a, dtype=a.dtype, copy=True) for a in arrays]
+    return [jnp.array(a, dtype=_computed_dtype(a.dtype), copy=True) for a in arrays]
+
+
+def _computed_dtype(dtype: Any) -> Any:
+    """The dtype JAX computes with (a NumPy float64 is float32 without x64, as `jax.jit` makes
+    it, silently); PRNG key dtypes as they are."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except (TypeError, ValueError):
+        return dtype
 
 
 def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
