@@ -1,5 +1,6 @@
 # Upstream: patrick-kidger/equinox, docs/examples/deep_convolutional_gan.ipynb
 # (snapshot commit 9336d820b2ef66b360fc6cb3611b3da5cefbb14d).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: Generator, Discriminator (both with BatchNorm state), compute_grads_
 # discriminator, compute_grads_generator (under `@eqx.filter_value_and_grad(has_aux=True)`),
 # `step_discriminator(discriminator, generator, real_batch, discriminator_optimizer,

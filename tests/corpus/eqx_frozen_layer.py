@@ -1,5 +1,6 @@
 # Upstream: patrick-kidger/equinox, docs/examples/frozen_layer.ipynb
 # (snapshot commit 9336d820b2ef66b360fc6cb3611b3da5cefbb14d).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: get_data, dataloader, and `make_step(model, x, y, opt_state)` (the loss
 # under `@eqx.filter_grad` on the `eqx.partition(model, filter_spec)` half, `eqx.combine`
 # inside, `optax.sgd`), which upstream defines inside `main` (its closure values `filter_spec`

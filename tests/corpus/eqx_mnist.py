@@ -1,5 +1,6 @@
 # Upstream: patrick-kidger/equinox, docs/examples/mnist.ipynb
 # (snapshot commit 9336d820b2ef66b360fc6cb3611b3da5cefbb14d).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: CNN (a list of layers and plain functions), loss, cross_entropy,
 # `loss = eqx.filter_jit(loss)`, compute_accuracy, evaluate, and `make_step(model, opt_state,
 # x, y)` with `eqx.filter_value_and_grad` and `optax.adamw`, which upstream defines inside

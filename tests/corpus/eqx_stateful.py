@@ -1,5 +1,6 @@
 # Upstream: patrick-kidger/equinox, docs/examples/stateful.ipynb
 # (snapshot commit 9336d820b2ef66b360fc6cb3611b3da5cefbb14d).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: Model (BatchNorm, SpectralNorm, Linear), compute_loss, `make_step(model,
 # state, opt_state, xs, ys)` with `eqx.nn.State` and `eqx.filter_grad(has_aux=True)`
 # (decorated `@eqx.filter_jit` upstream: the test applies it), the setup

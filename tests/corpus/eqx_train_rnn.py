@@ -1,5 +1,6 @@
 # Upstream: patrick-kidger/equinox, docs/examples/train_rnn.ipynb
 # (snapshot commit 9336d820b2ef66b360fc6cb3611b3da5cefbb14d).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: dataloader, get_data, RNN (a GRUCell run by `lax.scan` inside the model),
 # compute_loss (under `@eqx.filter_value_and_grad`) and `make_step(model, x, y, opt_state)`
 # returning `loss, model, opt_state`, which upstream defines inside `main` (its closure values

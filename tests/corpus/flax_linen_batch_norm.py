@@ -1,6 +1,7 @@
 # Upstream: google/flax, docs/guides/training_techniques/batch_norm.rst (the "With BatchNorm"
 # side, without the guide's `#!` highlight marks; snapshot commit
 # 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: MLP (Linen, `nn.BatchNorm(use_running_average=not train)`), the
 # `TrainState(train_state.TrainState)` subclass with a `batch_stats` field, `TrainState.create`,
 # `train_step(state, batch)` returning `state, metrics` (decorated `@jax.jit` upstream: the

@@ -1,6 +1,7 @@
 # Upstream: google/flax, docs/guides/training_techniques/lr_schedule.rst (the "Learning rate
 # schedule" side, without the guide's `#!` highlight marks; snapshot commit
 # 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: CNN (Linen), compute_metrics, create_learning_rate_fn, create_train_state
 # (`optax.sgd(learning_rate_fn, momentum)`, `TrainState.create`), and `train_step(state, batch,
 # learning_rate_fn)` returning `new_state, metrics` with `metrics['learning_rate'] =

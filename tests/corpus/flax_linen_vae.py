@@ -1,5 +1,6 @@
 # Upstream: google/flax, examples/vae/train.py
 # (snapshot commit 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: kl_divergence, binary_cross_entropy_with_logits, compute_metrics,
 # `train_step(state, batch, z_rng, latents)` returning `state.apply_gradients(grads=grads)`,
 # and eval_f; upstream's models.py is flax_linen_vae_models, imported as `models` as upstream

@@ -1,5 +1,6 @@
 # Upstream: google/flax, examples/vae/models.py
 # (snapshot commit 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: Encoder, Decoder, VAE, reparameterize, model; imported by flax_linen_vae as
 # `models`, as upstream's train.py imports it.
 # Shrunk: Dense(500) -> Dense(12), 784 pixels -> 64 (8x8).

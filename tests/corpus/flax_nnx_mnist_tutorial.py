@@ -1,5 +1,6 @@
 # Upstream: google/flax, docs_nnx/mnist_tutorial.md (the "MNIST tutorial" notebook;
 # snapshot commit 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: CNN, loss_fn, `train_step(model, optimizer, metrics, rngs, batch)` (in-place
 # updates of the model, an `nnx.Optimizer`, an `nnx.MultiMetric` and an `nnx.Rngs`; nothing
 # returned), eval_step and pred_step, all decorated `@nnx.jit` upstream (the test applies it to

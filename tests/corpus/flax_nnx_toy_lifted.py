@@ -1,5 +1,6 @@
 # Upstream: google/flax, examples/nnx_toy_examples/02_lifted_transforms.py
 # (snapshot commit 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: Linear, Count, MLP, `train_step(model, optimizer, batch)` (nnx.grad, the
 # optimizer updates the model in place, nothing returned; decorated `@nnx.jit` upstream: the
 # test applies it) and `test_step` (keeps its `@nnx.jit`). Upstream calls the step through

@@ -1,5 +1,6 @@
 # Upstream: google/flax, examples/nnx_toy_examples/03_train_state.py
 # (snapshot commit 18f8f311c275d57f46d95e41b15aa97b454754c0).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: Linear, Count, MLP, the `TrainState(train_state.TrainState)` subclass with
 # `counts: nnx.State` and `graphdef: nnx.GraphDef` fields, `TrainState.create(...)` (its `step`
 # starts as the Python int 0), `train_step(state, batch)` (decorated `@jax.jit` upstream: the

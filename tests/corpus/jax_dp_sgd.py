@@ -1,5 +1,6 @@
 # Upstream: jax-ml/jax, examples/differentially_private_sgd.py
 # (snapshot commit cec06d116c05f0d52adfceee3d3b730fdbcb0ce5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: the stax model, loss, accuracy, clipped_grad, private_grad, shape_as_image,
 # and `private_update(rng, i, opt_state, batch)`, which upstream defines inside `main` (its
 # closure values `get_params`, `opt_update` and the absl flag objects are module globals here,

@@ -1,5 +1,6 @@
 # Upstream: jax-ml/jax, examples/mnist_classifier.py
 # (snapshot commit cec06d116c05f0d52adfceee3d3b730fdbcb0ce5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: loss, accuracy, the stax model, and `update(i, opt_state, batch)` with
 # `jax.example_libraries.optimizers.momentum`, which upstream defines under
 # `if __name__ == "__main__":` (its closure values `opt_update`, `get_params` are module

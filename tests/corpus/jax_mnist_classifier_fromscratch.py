@@ -1,5 +1,6 @@
 # Upstream: jax-ml/jax, examples/mnist_classifier_fromscratch.py
 # (snapshot commit cec06d116c05f0d52adfceee3d3b730fdbcb0ce5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: init_random_params, predict, loss, accuracy, and
 # `update(params, batch)` returning `[(w - step_size * dw, b - step_size * db) for ...]`,
 # which upstream defines under `if __name__ == "__main__":` (its closure value `step_size` is a

@@ -1,5 +1,6 @@
 # Upstream: jax-ml/jax, examples/mnist_vae.py
 # (snapshot commit cec06d116c05f0d52adfceee3d3b730fdbcb0ce5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: gaussian_kl, gaussian_sample, bernoulli_logpdf, elbo, image_sample,
 # image_grid, the stax encoder/decoder, binarize_batch, `run_epoch(rng, opt_state, images)`
 # (one call trains an epoch in a `lax.fori_loop`) and `evaluate`, which upstream defines under

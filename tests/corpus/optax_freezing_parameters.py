@@ -1,6 +1,7 @@
 # Upstream: google-deepmind/optax, examples/freezing_parameters.ipynb (its first example,
 # `optax.chain(optax.adam(0.1), freeze(mask))`; snapshot commit
 # 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: loss_fn, the params and mask, the optimizer, and `train_step(p, s)`
 # returning `new_p, s, loss` (decorated `@jax.jit` upstream: the test applies it); the
 # notebook's closing checks.

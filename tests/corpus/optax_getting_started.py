@@ -1,5 +1,6 @@
 # Upstream: google-deepmind/optax, docs/getting_started.ipynb ("Custom optimizers" part:
 # snapshot commit 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: the synthetic data (TRAINING_DATA from `np.unpackbits`, LABELS), net, loss,
 # and `step(params, opt_state, batch, labels)`, which upstream defines inside `fit` (its
 # closure value `optimizer` is a module global here) and decorates with `@jax.jit` (the test

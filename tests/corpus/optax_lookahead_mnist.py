@@ -1,5 +1,6 @@
 # Upstream: google-deepmind/optax, examples/lookahead_mnist.ipynb
 # (snapshot commit 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: CNN (Flax NNX), predict and loss_accuracy (`nnx.update(model, params)`
 # inside `@jax.jit`), dataset_stats, and `train_step(params, model, solver_state, batch)` with
 # `optax.lookahead` over `optax.LookaheadParams` (decorated `@jax.jit` upstream: the test

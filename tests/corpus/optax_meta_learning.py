@@ -1,5 +1,6 @@
 # Upstream: google-deepmind/optax, examples/meta_learning.ipynb
 # (snapshot commit 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: generator, f, the optimizers (`optax.inject_hyperparams(optax.rmsprop)`
 # inner, adam outer), loss, step, outer_loss (which writes
 # `state.hyperparams['learning_rate']`), and `outer_step(eta, theta, meta_state, state,

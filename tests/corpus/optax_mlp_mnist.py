@@ -1,5 +1,6 @@
 # Upstream: google-deepmind/optax, examples/mlp_mnist.ipynb
 # (snapshot commit 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: MLP (Flax NNX), compute_loss_and_accuracy, `train_step(model, optimizer,
 # batch)` returning `loss, {"accuracy": accuracy}` (decorated `@nnx.jit` upstream: the test
 # applies it), eval_step (keeps its `@nnx.jit`) and dataset_stats.

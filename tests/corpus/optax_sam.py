@@ -1,5 +1,6 @@
 # Upstream: google-deepmind/optax, examples/contrib/sam.ipynb
 # (snapshot commit 2edbcbe2390da13983b92cbef94ac0460ecde1c5).
+# Upstream's license: Apache-2.0; copied here with this attribution.
 # Copied verbatim: the 2-D loss, the SAM optimizers (`contrib.sam` over sgd, momentum and adam,
 # with their baselines), the `Store(NamedTuple)` with a Python int `step: int = 0`, and
 # `make_step(opt)`, whose inner `step(store)` returns `store._replace(params=..., state=...,
