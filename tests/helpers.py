@@ -1,10 +1,11 @@
-"""Shared assertions for the test suite."""
+"""Shared assertions and small steps for the test suite."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import autoflat
@@ -46,3 +47,14 @@ def chunk(tree: Any, start: int, stop: int) -> Any:
 
 def step_i(tree: Any, i: int) -> Any:
     return jax.tree.map(lambda x: x[i], tree)
+
+
+def ones(n: int) -> Any:
+    """`n` steps of a per-step input of shape (3,)."""
+    return jnp.ones((n, 3), jnp.float32)
+
+
+def accumulate(state: Any, x: Any) -> Any:
+    """A step with dict state and a per-step output."""
+    state = {"sum": state["sum"] + x, "n": state["n"] + 1}
+    return state, jnp.sum(x)

@@ -7,17 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import accumulate
+from helpers import ones as _ones
 
 import autoflat
-
-
-def _ones(n):
-    return jnp.ones((n, 3), jnp.float32)
-
-
-def accumulate(state, x):
-    state = {"sum": state["sum"] + x, "n": state["n"] + 1}
-    return state, jnp.sum(x)
 
 
 def test_fast_path_does_no_host_flatten():

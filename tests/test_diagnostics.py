@@ -7,18 +7,11 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import accumulate
+from helpers import ones as _ones
 
 import autoflat
 from autoflat._diagnostics import RECOMPILE_WARN_AFTER
-
-
-def _ones(n):
-    return jnp.ones((n, 3), jnp.float32)
-
-
-def accumulate(state, x):
-    state = {"sum": state["sum"] + x, "n": state["n"] + 1}
-    return state, jnp.sum(x)
 
 
 def test_recompile_warning_names_the_cause():
