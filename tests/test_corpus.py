@@ -80,9 +80,11 @@ CASES: dict[str, Case] = {
         "jax",
         "private_update",
         jax.jit,
-        slow_ks=(1,),  # XLA's CPU compile of the per-example clipped grads: ~10 s a run
+        slow_ks=KS,  # XLA's CPU compile of the per-example clipped grads: ~8 s a run
     ),
-    "jax_mnist_vae": Case("jax", "run_epoch", jax.jit),
+    # ~14 s (the stax init and `evaluate` compile), and its patterns (a key per step, the data
+    # broadcast) are in flax_linen_vae and eqx_stateful too: in the slow suite
+    "jax_mnist_vae": Case("jax", "run_epoch", jax.jit, slow_ks=KS),
     # Flax NNX
     "flax_nnx_mnist_tutorial": Case("flax.nnx", "train_step", nnx.jit),
     # Upstream calls the step through `nnx.cached_partial(train_step, model, optimizer)`.
@@ -142,7 +144,8 @@ CASES: dict[str, Case] = {
     "eqx_mnist": Case("equinox", "make_step", eqx.filter_jit),
     "eqx_stateful": Case("equinox", "make_step", eqx.filter_jit, ignore=(_EQX_BATCHNORM_MODE,)),
     "eqx_frozen_layer": Case("equinox", "make_step", eqx.filter_jit),
-    "eqx_train_rnn": Case("equinox", "make_step", eqx.filter_jit),
+    # ~10 s; plain filter_value_and_grad + optax as eqx_mnist: in the slow suite
+    "eqx_train_rnn": Case("equinox", "make_step", eqx.filter_jit, slow_ks=KS),
     "eqx_dcgan": Case(
         "equinox",
         ("step_discriminator", "step_generator"),
