@@ -3,7 +3,8 @@
 `@autoflat.step(num_steps=k)` turns an update function into one whose model and optimizer
 state cross the `jax.jit` boundary as cached structures plus flat leaf lists, runs k steps per
 call in a `lax.scan`, and returns lazy handles that rebuild modules only when used.
-`autoflat.show(fn)` returns the generated code that actually runs.
+`autoflat.show(fn)` returns the generated code that actually runs; `autoflat.chunks(batches, k)`
+stacks per-step batches into the chunks such a step takes, placed on device ahead of use.
 """
 
 import importlib.metadata
@@ -12,6 +13,8 @@ from ._api import clear_caches as clear_caches
 from ._api import show as show
 from ._api import stats as stats
 from ._api import step as step
+from ._chunks import Chunks as Chunks
+from ._chunks import chunks as chunks
 from ._diagnostics import AutoflatRecompileWarning as AutoflatRecompileWarning
 from ._diagnostics import Stats as Stats
 from ._errors import AutoflatError as AutoflatError
@@ -53,6 +56,7 @@ __all__ = [
     "AutoflatError",
     "AutoflatRecompileWarning",
     "CallError",
+    "Chunks",
     "Compiled",
     "ConsumedError",
     "LazyHandle",
@@ -64,6 +68,7 @@ __all__ = [
     "Stats",
     "Step",
     "Traced",
+    "chunks",
     "clear_caches",
     "is_handle",
     "show",

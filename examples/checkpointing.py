@@ -66,19 +66,20 @@ def update(params, opt_state, x, y):
     return params, opt_state, loss
 
 
-def make_chunks(n_chunks: int) -> list[tuple[jax.Array, jax.Array]]:
-    """The training data in a fixed order: `n_chunks` chunks of NUM_STEPS batches."""
+def make_batches(n_steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The training data in a fixed order: `n_steps` per-step batches `(x, y)` of BATCH
+    examples, reshuffled every epoch (an epoch: the whole chunks of NUM_STEPS batches that
+    the data fills)."""
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
     rng = np.random.default_rng(0)
-    per_epoch = len(x) // (BATCH * NUM_STEPS)
-    chunks = []
-    while len(chunks) < n_chunks:
-        idx = rng.permutation(len(x))[: per_epoch * NUM_STEPS * BATCH]
-        for c in idx.reshape(per_epoch, NUM_STEPS, BATCH)[: n_chunks - len(chunks)]:
-            chunks.append((jnp.asarray(x[c]), jnp.asarray(y[c])))
-    return chunks
+    per_epoch = len(x) // (BATCH * NUM_STEPS) * NUM_STEPS
+    batches: list[tuple[np.ndarray, np.ndarray]] = []
+    while len(batches) < n_steps:
+        idx = rng.permutation(len(x))[: per_epoch * BATCH]
+        batches += [(x[i], y[i]) for i in idx.reshape(per_epoch, BATCH)]
+    return batches[:n_steps]
 
 
 def fresh_state() -> tuple[dict, optax.OptState]:
@@ -86,11 +87,13 @@ def fresh_state() -> tuple[dict, optax.OptState]:
     return params, tx.init(params)
 
 
-def train(params, opt_state, chunks, bar, losses):
+def train(params, opt_state, batches, bar, losses):
+    """Train on per-step `batches`, NUM_STEPS steps per call."""
+    chunks = autoflat.chunks(batches, NUM_STEPS)  # stacked, on device ahead of use
     for xs, ys in chunks:
         params, opt_state, loss = update(params, opt_state, xs, ys)
         losses.extend(np.asarray(loss).tolist())
-        bar.update(NUM_STEPS)
+        bar.update(chunks.last_steps)
     return params, opt_state
 
 
@@ -119,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     n_chunks = 4 if args.smoke else args.epochs * 5  # 5 chunks of 10 steps per epoch
     halfway = n_chunks // 2
-    chunks = make_chunks(n_chunks)
+    batches = make_batches(n_chunks * NUM_STEPS)
     how = "orbax StandardCheckpointer" if ocp is not None else "pickle (orbax not installed)"
     print(f"autoflat {autoflat.__version__}, jax {jax.__version__}; saving with {how}")
     print(f"{n_chunks} calls of {NUM_STEPS} steps; checkpoint after call {halfway}")
@@ -128,13 +131,13 @@ def main() -> None:
         # 1. uninterrupted
         unbroken_losses: list[float] = []
         params, opt_state = fresh_state()
-        params, opt_state = train(params, opt_state, chunks, bar, unbroken_losses)
+        params, opt_state = train(params, opt_state, batches, bar, unbroken_losses)
         unbroken = autoflat.unwrap(params)
 
         # 2. interrupted: train half, save, throw the state away
         losses: list[float] = []
         params, opt_state = fresh_state()
-        params, opt_state = train(params, opt_state, chunks[:halfway], bar, losses)
+        params, opt_state = train(params, opt_state, batches[: halfway * NUM_STEPS], bar, losses)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(args.checkpoint_dir or tmp) / f"chunk_{halfway}"
             handles = autoflat.is_handle(params) and autoflat.is_handle(opt_state)
@@ -154,7 +157,7 @@ def main() -> None:
         params, opt_state = restored["params"], restored["opt_state"]
         start = int(restored["chunk"])
         tqdm.write(f"restored into fresh objects; resuming at call {start + 1}")
-        params, opt_state = train(params, opt_state, chunks[start:], bar, losses)
+        params, opt_state = train(params, opt_state, batches[start * NUM_STEPS :], bar, losses)
 
     resumed = autoflat.unwrap(params)
     pairs = list(zip(jax.tree.leaves(resumed), jax.tree.leaves(unbroken), strict=True))

@@ -118,15 +118,12 @@ def main() -> None:
     with tqdm(total=epochs * steps_per_epoch, unit="step", desc="training") as bar:
         for epoch in range(epochs):
             order = rng.permutation(len(x_train))[: steps_per_epoch * BATCH]
-            idx = order.reshape(steps_per_epoch, BATCH)
-            xs, ys = jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])  # (steps, BATCH, ...)
-            for start in range(0, steps_per_epoch, NUM_STEPS):
-                stop = min(start + NUM_STEPS, steps_per_epoch)
-                model, state, opt_state, loss = update(
-                    model, state, opt_state, xs[start:stop], ys[start:stop]
-                )
+            batches = [(x_train[i], y_train[i]) for i in order.reshape(steps_per_epoch, BATCH)]
+            chunks = autoflat.chunks(batches, NUM_STEPS)  # (NUM_STEPS, BATCH, ...) on device
+            for xs, ys in chunks:
+                model, state, opt_state, loss = update(model, state, opt_state, xs, ys)
                 losses.extend(np.asarray(loss).tolist())
-                bar.update(stop - start)
+                bar.update(chunks.last_steps)
             bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.4f}")
 
     s = autoflat.stats(update)

@@ -107,12 +107,11 @@ def main() -> None:
         for epoch in range(1, epochs + 1):
             model.train()  # batch statistics, dropout on
             idx = rng.permutation(len(x_train))[: steps_per_epoch * BATCH]
-            idx = idx.reshape(steps_per_epoch, BATCH)
-            xs, ys = jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])
-            for start in range(0, steps_per_epoch, NUM_STEPS):
-                stop = min(start + NUM_STEPS, steps_per_epoch)
-                train_step(model, optimizer, metrics, xs[start:stop], ys[start:stop])
-                bar.update(stop - start)
+            batches = [(x_train[i], y_train[i]) for i in idx.reshape(steps_per_epoch, BATCH)]
+            chunks = autoflat.chunks(batches, NUM_STEPS)  # (NUM_STEPS, BATCH, ...) on device
+            for xs, ys in chunks:
+                train_step(model, optimizer, metrics, xs, ys)
+                bar.update(chunks.last_steps)
             line = [f"epoch {epoch:2d}"]
             for split in ("train", "test"):
                 if split == "test":
