@@ -6,6 +6,17 @@ object with `tree_unflatten` on first access (attribute, call, `repr`, pickling,
 and JAX sees the same leaves (it is a pytree node that flattens to them without a rebuild).
 A handle whose buffers were donated to a later call is *consumed*: using it raises a
 `ConsumedError`.
+
+Key paths through a handle are those of the real object: `jax.tree_util.tree_flatten_with_path`
+gives `['w1']`, `[0].mu['w1']`, as for the object, not flat indices. JAX keys every child of a
+node exactly once, so a handle flattened with keys shows the object's root children (subtrees)
+under the root's keys, while the key-less flatten (`jax.jit`, `jax.tree.map`) still gives every
+leaf at once, with no rebuild. The two treedefs differ, so two handles pair in
+`jax.tree.map(f, h1, h2)` but not under key paths (`jax.tree_util.tree_map_with_path(f, h1,
+h2)`). A handle pairs with no real tree either way: JAX pairs trees node type by node type,
+and a handle is a node of its own type, while `jax.tree.map(g, h)` builds the real type. orbax
+pairs the tree it saves with one it maps from it that way, so it needs `autoflat.unwrap(state)`:
+it cannot save a handle directly.
 """
 
 from __future__ import annotations
@@ -296,15 +307,60 @@ def new_handle(
 
 
 def _flatten_handle(h: LazyHandle) -> tuple[list[Any], Any]:
+    """Every leaf of the real object, with its full treedef: no rebuild (`jax.jit`,
+    `jax.tree.map` and the other key-less pytree functions take this path)."""
     structure, arrays = LazyHandle._af_leaves(h)
     return structure.all_leaves(arrays), structure.treedef
 
 
-def _unflatten_handle(treedef: Any, leaves: Any) -> Any:
-    return treedef.unflatten(leaves)
+class _OneLevel:
+    """The aux data of a handle flattened with keys: the treedef of the real object's root
+    node over its children (its children are subtrees there, not leaves)."""
+
+    __slots__ = ("treedef",)
+
+    def __init__(self, treedef: Any) -> None:
+        self.treedef = treedef
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _OneLevel and other.treedef == self.treedef
+
+    def __hash__(self) -> int:
+        return hash(self.treedef)
+
+    def __repr__(self) -> str:
+        return f"OneLevel({self.treedef})"
 
 
-jax.tree_util.register_pytree_node(LazyHandle, _flatten_handle, _unflatten_handle)
+def _flatten_handle_with_keys(h: LazyHandle) -> tuple[list[tuple[Any, Any]], _OneLevel]:
+    """The real object's root children under the root's own keys, so a key path through a
+    handle equals the path through the object (JAX gives every child of a node exactly one
+    key, so the children here are the root's subtrees, not the leaves).
+
+    Key paths need the real object: a handle already rebuilt gives its object's own
+    children; an unbuilt one unflattens a copy for this traversal only and stays unbuilt, so
+    a step taking it next is still on the fast path.
+    """
+    if object.__getattribute__(h, "_af_obj") is _UNBUILT:
+        LazyHandle._af_check(h)
+        structure = object.__getattribute__(h, "_af_structure")
+        obj = structure.unflatten(LazyHandle._af_leaf_arrays(h))
+    else:
+        obj = LazyHandle._af_get(h)
+    pairs, level = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda y: y is not obj)
+    return [(path[0], child) for path, child in pairs], _OneLevel(level)
+
+
+def _unflatten_handle(aux: Any, children: Any) -> Any:
+    # A handle never comes back from an unflatten: JAX builds the real object.
+    if type(aux) is _OneLevel:
+        return aux.treedef.unflatten(children)  # from a flatten with keys: the root's children
+    return aux.unflatten(children)  # every leaf
+
+
+jax.tree_util.register_pytree_with_keys(
+    LazyHandle, _flatten_handle_with_keys, _unflatten_handle, _flatten_handle
+)
 # JAX's pytree errors name the class; make that name the public one the docs explain.
 LazyHandle.__module__ = "autoflat"
 
