@@ -27,7 +27,7 @@ from ._errors import (
     error,
     where,
 )
-from ._source import read_source, unwrap_function
+from ._source import matches_code, read_source, unwrap_function
 
 ParamKind = Literal["positional_only", "positional_or_keyword", "keyword_only"]
 ReturnKind = Literal["none", "single", "tuple"]
@@ -85,6 +85,12 @@ class Analysis:
     assigned: frozenset[str]
     assigned_lines: tuple[tuple[str, int], ...]
     method_called: frozenset[str]
+    # Parameters changed in place by a spelling that mutates a dict or a list but not other
+    # values (`d.update(...)`, `d.pop(k)`, `xs.append(x)`, `d |= ...`): (param, spelling,
+    # line). The first call's types decide (`_infer`): state written back, as `d[k] = ...`.
+    in_place: tuple[tuple[str, str, int], ...]
+    # Attributes read directly off each parameter (`self.lr`): (param, attribute), sorted.
+    attribute_reads: tuple[tuple[str, str], ...]
     free_names: frozenset[str]
     all_names: frozenset[str]
     line_offset: int
@@ -116,6 +122,16 @@ def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
     return nodes
 
 
+# Methods that change a dict or a list in place.
+_IN_PLACE_METHODS = frozenset(
+    {
+        "update", "pop", "popitem", "setdefault", "clear",  # dict
+        "append", "extend", "insert", "remove", "sort", "reverse",  # list
+        "__setitem__", "__delitem__", "__ior__", "__iadd__",
+    }
+)  # fmt: skip
+
+
 class _Visitor(cst.CSTVisitor):
     """Collects what the function's own scope does, and the writes and method calls on its
     parameters anywhere in it (nested functions included).
@@ -137,6 +153,8 @@ class _Visitor(cst.CSTVisitor):
         self.returns: list[tuple[cst.Return, int]] = []
         self.assigned: dict[str, int] = {}
         self.method_called: set[str] = set()
+        self.in_place: dict[str, tuple[str, int]] = {}
+        self.attribute_reads: set[tuple[str, str]] = set()
         self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
 
@@ -217,6 +235,11 @@ class _Visitor(cst.CSTVisitor):
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         self._target(node.target, self._line(node))
+        if isinstance(node.target, cst.Name):
+            param = self._parameter(node.target)
+            if param is not None:
+                op = cst.Module([]).code_for_node(node.operator).strip()
+                self.in_place.setdefault(param, (f"{param} {op} ...", self._line(node)))
 
     def visit_Del(self, node: cst.Del) -> None:
         self._target(node.target, self._line(node))
@@ -231,11 +254,30 @@ class _Visitor(cst.CSTVisitor):
     def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
         self._target(node.target, self._line(node))
 
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if isinstance(node.value, cst.Name):
+            param = self._parameter(node.value)
+            if param is not None:
+                self.attribute_reads.add((param, node.attr.value))
+
     def visit_Call(self, node: cst.Call) -> None:
         if isinstance(node.func, cst.Attribute):
             param = self._parameter(node.func.value)
             if param is not None:
                 self.method_called.add(param)
+                method = node.func.attr.value
+                if method in _IN_PLACE_METHODS:
+                    spelling = f"{cst.Module([]).code_for_node(node.func)}(...)"
+                    self.in_place.setdefault(param, (spelling, self._line(node)))
+        elif (
+            isinstance(node.func, cst.Name)
+            and node.func.value in ("setattr", "delattr")
+            and node.args
+        ):
+            # `setattr(p, name, v)` writes into `p` as `p.x = v` does.
+            param = self._parameter(node.args[0].value)
+            if param is not None:
+                self.assigned.setdefault(param, self._line(node))
 
 
 def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
@@ -377,7 +419,11 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     params, variadic = _params(fn)
     fp = funcdef.params
     in_source = [p.name.value for p in (*fp.posonly_params, *fp.params, *fp.kwonly_params)]
-    if funcdef.name.value != fn.__name__ or in_source != [p.name for p in params]:
+    if (
+        funcdef.name.value != fn.__code__.co_name
+        or in_source != [p.name for p in params]
+        or matches_code(fn, source) is False
+    ):
         raise error(
             SourceError,
             NO_SOURCE,
@@ -448,6 +494,11 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         assigned=frozenset(visitor.assigned),
         assigned_lines=tuple(sorted((k, v + line_offset) for k, v in visitor.assigned.items())),
         method_called=frozenset(visitor.method_called),
+        in_place=tuple(
+            (p, spelling, line + line_offset)
+            for p, (spelling, line) in sorted(visitor.in_place.items())
+        ),
+        attribute_reads=tuple(sorted(visitor.attribute_reads)),
         free_names=frozenset(free),
         all_names=frozenset(visitor.names),
         line_offset=line_offset,

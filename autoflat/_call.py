@@ -26,6 +26,8 @@ order.
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +35,9 @@ import jax
 import jax.numpy as jnp
 
 from . import _loading, _nnx, _transport, _writeback
-from ._errors import BAD_CALL, CallError, error
+from ._errors import BAD_CALL, NOT_AN_ARRAY, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
-from ._program import CallSpec, Program, calls_back
+from ._program import CallSpec, Program, calls_back, instance_attributes
 from ._structure import (
     FlatState,
     Placement,
@@ -120,6 +122,8 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         if type(args[i]) is not LazyHandle:
             _writeback.check_writable(structures[k].treedef, program.roles.state[k], step._analysis)
     static = tuple(args[i] for i in program.static_idx)
+    if program.instance_attrs:
+        static += instance_attributes(program, args)
     call.spec = step._specs.get(program, structures, placements, layouts, bcast_structures, static)
     call.leaves = tuple(leaves)
     call.xs = tuple(args[i] for i in program.scanned_idx)
@@ -273,11 +277,27 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
     without donation: it can fail while running, after donated inputs are gone."""
     __tracebackhide__ = True
     spec, inputs = call.spec, call.inputs()
+    claimed = _claim(step, call.donated) if call.donated and step.donate else ()
+    # The results land in the step's `_landed` from C (`deque.extend` of a `starmap`), with no
+    # Python bytecode between the program's return and their store: a KeyboardInterrupt
+    # that Python raises right after the program returned leaves them reachable from the step
+    # (`Step.recover`), not lost with the inputs it consumed.
+    landed = step._landed
+    landed.clear()
     try:
         if compiled is not None:
-            return compiled(*inputs)
-        return runner(step, spec, inputs)(spec, *inputs)
-    except Exception as e:
+            landed.extend(itertools.starmap(compiled, (inputs,)))
+        else:
+            landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
+        return landed[0]
+    except BaseException as e:
+        if not landed:  # the program did not run: nothing donated
+            for h in claimed:
+                object.__setattr__(h, "_af_consumed_by", 0)
+        if not isinstance(e, Exception):
+            raise
+        if isinstance(e, TypeError):
+            _raise_if_not_arrays(step, call, e)
         program = call.program
         _loading.rewrite_traceback(
             e,
@@ -288,6 +308,49 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             step._analysis.name,
         )
         raise
+
+
+def _raise_if_not_arrays(step: Any, call: Call, cause: Exception) -> None:
+    """JAX's "Error interpreting argument to <Step._entry>... xs[1]" in the user's words: the
+    per-step or broadcast argument holding a value that is not an array."""
+    program = call.program
+    groups = [
+        ("a per-step input", program.scanned_idx),
+        ("broadcast (the same for every step)", program.bcast_idx),
+    ]
+    for role, indices in groups:
+        for i in indices:
+            param = program.roles.params[i]
+            value = call.args[i]
+            if type(value) is LazyHandle:
+                continue
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+                if not (is_array(leaf) or isinstance(leaf, (bool, int, float, complex))):
+                    raise error(
+                        CallError,
+                        NOT_AN_ARRAY,
+                        step._analysis,
+                        path=f"{param}{jax.tree_util.keystr(path)}",
+                        type=type(leaf).__name__,
+                        param=param,
+                        role=role,
+                    ) from cause
+
+
+_claim_lock = threading.Lock()
+
+
+def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
+    """Mark the handles whose buffers a launch may donate as consumed by this call, at once
+    and before it runs: another thread passing one of them gets the consumed error, not JAX's
+    "buffer deleted". A launch that fails, or does not donate, gives them back."""
+    call = step._diag.stats.calls
+    with _claim_lock:
+        for h in handles:
+            LazyHandle._af_check(h)
+        for h in handles:
+            object.__setattr__(h, "_af_consumed_by", call)
+    return handles
 
 
 def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
@@ -309,9 +372,9 @@ def donates(step: Any, spec: CallSpec) -> bool:
 def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any) -> Any:
     """After the launch: consume, wrap, write back; the step's result in the user's order."""
     program, spec, args = call.program, call.spec, call.args
-    if donates(step, spec):
-        for h in call.donated:
-            object.__setattr__(h, "_af_consumed_by", step._diag.stats.calls)
+    if not donates(step, spec):
+        for h in call.donated:  # claimed by `launch`, not donated after all
+            object.__setattr__(h, "_af_consumed_by", 0)
     handles = new_handles(step, spec, state_out)
     nnx_vars, hit = call.nnx_vars, call.nnx_hit
     written: dict[int, list[Any]] = {}
@@ -337,6 +400,8 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
         last = step._last
         last.clear()
         for k, h in enumerate(handles):
+            if type(h) is not LazyHandle:
+                continue  # state that is one array, or holds none, is returned as it is
             obj = LazyHandle._af_get(h)
             last[k] = (obj, h)
             handles[k] = obj

@@ -178,7 +178,16 @@ def _tuple(items: list[cst.BaseExpression]) -> cst.Tuple:
 
 
 def _comment_lines(texts: Iterable[str]) -> list[cst.EmptyLine]:
-    return [cst.EmptyLine(indent=True, comment=cst.Comment(f"# {t}" if t else "#")) for t in texts]
+    """Comment lines; a line break inside a text (a `__qualname__` set by hand, a reason that
+    quotes a value) is shown escaped, so the comment stays one line."""
+    return [
+        cst.EmptyLine(indent=True, comment=cst.Comment(f"# {_one_line(t)}" if t else "#"))
+        for t in texts
+    ]
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 # The statements and expressions generated code is made of; `{...}` are libcst placeholders.

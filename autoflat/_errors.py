@@ -156,6 +156,44 @@ Calling `{name}` ({where}): {reason}.
 Its signature is `{name}{signature}`.
 """
 
+PER_STEP_OR_STATE = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: every array of `{param}` has a leading \
+axis of {num_steps}, so it looks like a per-step input, but return position {position} gives back \
+a value with the structure, shapes and dtypes of one step's slice of it. If `{param}` is state \
+whose first axis happens to be {num_steps}, slicing it per step would train the wrong thing. \
+Say which it is:
+
+    @autoflat.step(num_steps={num_steps}, state="{param}")      # carried from step to step
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")   # one slice per step
+"""
+
+WRITTEN_PER_STEP = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: the body writes into `{param}` (line \
+{line}), which makes it state, carried from step to step and written back into your object; \
+but every array of `{param}` has a leading axis of {num_steps}, as a per-step input has. \
+Carried as state, each step would see all {num_steps} steps' values. Say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")   # a per-step input, changed \
+locally (as under jax.jit)
+    @autoflat.step(num_steps={num_steps}, state="{param}")      # state whose first axis is \
+{num_steps}
+"""
+
+NOTHING_TO_RECOVER = """\
+`{name}` ({where}): nothing to recover. `recover()` returns the result of a call that a \
+KeyboardInterrupt stopped after its compiled program ran; the last call either finished, or \
+was stopped before its program ran (then the state you passed in is intact: call the step \
+again with it), or the step was called again since.
+"""
+
+NOT_AN_ARRAY = """\
+Calling `{name}` ({where}): `{path}` is a {type}, not an array, and `{param}` is {role}: JAX can \
+only pass arrays (and Python numbers) into the compiled step. Make it an array, or pass a \
+hashable Python value as static:
+
+    @autoflat.step(..., static_argnames="{param}")
+"""
+
 UNHASHABLE_STATIC = """\
 Calling `{name}` ({where}): static argument `{param}` got a value of type {type} that cannot \
 be hashed, so it cannot select a compiled version. Pass a hashable value (a tuple instead of a \
@@ -288,6 +326,7 @@ it into two arguments, or say which it is:
 
     @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
+    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 """
 
 SHORT_FIRST_CHUNK = """\
@@ -298,6 +337,7 @@ autoflat will not guess. Say which:
 
     @autoflat.step(num_steps={num_steps}, per_step="{param}")    # {length} steps, one slice each
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same `{param}` each step
+    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 
 or pass a first chunk of {num_steps} steps (shorter final chunks are fine after it).
 """

@@ -38,8 +38,12 @@ from ._analysis import Analysis
 from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
+    PER_STEP_OR_STATE,
     SHORT_FIRST_CHUNK,
     STATE_NOT_MATCHED,
+    UNHASHABLE_STATIC,
+    WRITTEN_PER_STEP,
+    CallError,
     OptionError,
     ShapeError,
     error,
@@ -78,30 +82,67 @@ def infer(
     returned_at = returned_by_name(analysis, options)
     explicit = (options.static | options.broadcast | options.per_step | {options.instance}) - {None}
     by_source = set(returned_at) | set(analysis.assigned)
+    in_place = {p: (spelling, line) for p, spelling, line in analysis.in_place}
+    # Dicts and lists changed in place (`d.update(...)`, `xs.append(x)`): state written back
+    # into the caller's object, as `d[k] = ...` is.
+    changed = {
+        p
+        for p, a in zip(params, args, strict=True)
+        if p in in_place and p not in explicit | by_source and isinstance(a, (dict, list))
+    }
     mutable = frozenset(
         p
         for p, a in zip(params, args, strict=True)
-        if may_mutate and p not in explicit | by_source and is_mutable_module(a)
+        if p in changed or (may_mutate and p not in explicit | by_source and is_mutable_module(a))
     )
+    if num_steps > 1:
+        _check_written_per_step(analysis, options, returned_at, mutable, args, num_steps)
     open_ = [
         p for p in params if p not in explicit | by_source | mutable and p not in options.state
     ]
     values = dict(zip(params, args, strict=True))
-    kinds = {p: _kind(analysis, p, values[p], num_steps) for p in open_}
+    for p in options.static:
+        try:
+            hash(values[p])
+        except TypeError:
+            raise error(
+                CallError, UNHASHABLE_STATIC, analysis, param=p, type=type(values[p]).__name__
+            ) from None
+    kinds: dict[str, tuple[Role, str]] = {}
+    # Errors about an argument's leading axes wait until state is matched by value: a state
+    # argument returned under another name may have leaves of any leading axis.
+    deferred: dict[str, Exception] = {}
+    for p in open_:
+        found = _kind(analysis, p, values[p], num_steps)
+        if isinstance(found, Exception):
+            deferred[p] = found
+            kinds[p] = ("broadcast", "mixed leading axes")  # a state candidate for now
+        else:
+            kinds[p] = found
     for p in mutable:
-        kinds[p] = (
-            "state",
-            f"{_describe(values[p])} mutated in place: its new Variable values are written "
-            "into the caller's object after the call",
-        )
-    if num_steps > 1:
-        _check_first_chunk(analysis, kinds, values, num_steps, options)
+        if p in changed:
+            spelling, line = in_place[p]
+            why = (
+                f"a {values[p].__class__.__name__} changed in place (`{spelling}` at line "
+                f"{line}): its new value is written into the caller's object after the call"
+            )
+        else:
+            why = (
+                f"{_describe(values[p])} mutated in place: its new Variable values are written "
+                "into the caller's object after the call"
+            )
+        kinds[p] = ("state", why)
     # Each parameter's role for the abstract evaluation (candidates count as broadcast).
     for_eval: dict[str, Role] = {p: kinds[p][0] if p in kinds else "state" for p in params}
     for p in options.static:
         for_eval[p] = "static"
     for p in options.per_step:
         for_eval[p] = "scanned"
+    out: Any = None
+    if num_steps == 1:
+        traced = [p for p in open_ if kinds[p][0] == "scanned" and isinstance(values[p], _SCALARS)]
+        if traced:
+            out = _settle_scalars(fn, params, values, for_eval, kinds, traced)
 
     # State by abstract value: candidates are open broadcast-like arguments and declared state
     # that is neither returned by name nor assigned into.
@@ -120,14 +161,35 @@ def infer(
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
     if pending and open_positions:
-        out = _eval_one_step(fn, params, values, for_eval, num_steps)
+        try:
+            if out is None:
+                out = _eval_one_step(fn, params, values, for_eval, num_steps)
+        except Exception as e:
+            # The step failed on an argument taken as broadcast for the evaluation: the
+            # leading-axis error says what to declare.
+            _raise_leading_axis_errors(analysis, kinds, deferred, values, num_steps, options, e)
+            raise
         outputs = _positions(first, out)
         carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
         matched.update(
             _match(analysis, params, values, pending, open_positions, outputs, declared, carried)
         )
     else:
-        out = outputs = None
+        outputs = None
+    if num_steps > 1 and first is not None and first.kind != "none":
+        out = _check_per_step_returned(
+            analysis, fn, params, values, kinds, for_eval, options, matched, open_positions,
+            first, out, num_steps,
+        )  # fmt: skip
+    _raise_leading_axis_errors(
+        analysis,
+        {p: k for p, k in kinds.items() if p not in matched},
+        deferred,
+        values,
+        num_steps,
+        options,
+        None,
+    )
     missing = sorted(p for p in declared if p not in matched)
     if missing:
         raise error(
@@ -158,8 +220,153 @@ def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> boo
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
 
-def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role, str]:
-    """The role of an argument the source and options leave open, from its value."""
+def _check_per_step_returned(
+    analysis: Analysis,
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    kinds: dict[str, tuple[Role, str]],
+    for_eval: dict[str, Role],
+    options: Options,
+    matched: dict[str, tuple[int, str]],
+    open_positions: list[int],
+    first: Any,
+    out: Any,
+    num_steps: int,
+) -> Any:
+    """A container whose every array leaf has a leading axis of num_steps looks per-step; if a
+    return position gives back one step's slice of it (same structure, shapes and dtypes), it
+    may instead be state whose first axis happens to be num_steps (a model with 4 outputs at
+    num_steps=4), returned under another name: sliced per step, it would train silently wrong.
+    The user says which. Returns one step's abstract output (evaluated here if not yet)."""
+    taken = {pos for pos, _ in matched.values()}
+    left = [pos for pos in open_positions if pos not in taken]
+    scanned = [
+        p
+        for p in params
+        if kinds.get(p, ("",))[0] == "scanned"
+        and p not in options.per_step
+        and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
+    ]
+    if not (left and scanned):
+        return out
+    if out is None:
+        try:
+            out = _eval_one_step(fn, params, values, for_eval, num_steps)
+        except Exception:
+            return None  # the step's own trace raises it again, with its line
+    outputs = _positions(first, out)
+    if not outputs:
+        return out
+    for p in scanned:
+        rebuild, abstract = _abstract(values[p], drop_axis=True)
+        sliced = rebuild(abstract)
+        hits = [pos for pos in left if _same_value(sliced, outputs[pos])]
+        if hits:
+            raise error(
+                ShapeError,
+                PER_STEP_OR_STATE,
+                analysis,
+                param=p,
+                position=hits[0],
+                num_steps=num_steps,
+            )
+    return out
+
+
+def _check_written_per_step(
+    analysis: Analysis,
+    options: Options,
+    returned_at: dict[str, int],
+    mutable: frozenset[str],
+    args: tuple[Any, ...],
+    num_steps: int,
+) -> None:
+    """An argument the body writes into (`batch["x"] = ...`, `batch.update(...)`) is state,
+    carried from step to step and written back. One whose array leaves all have a leading axis
+    of num_steps looks like a per-step input changed locally, as under `jax.jit` (each step
+    would see the whole chunk): the user says which."""
+    written = (set(analysis.assigned) | mutable) - set(returned_at) - options.state
+    written -= options.static | options.broadcast | options.per_step | {options.instance}
+    for p, value in zip(analysis.param_names, args, strict=True):
+        if p not in written:
+            continue
+        leaves = jax.tree_util.tree_leaves(value)
+        if leaves and all(
+            is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves
+        ):
+            line = dict(analysis.assigned_lines).get(p) or next(
+                (ln for q, _, ln in analysis.in_place if q == p), analysis.def_line
+            )
+            raise error(
+                ShapeError, WRITTEN_PER_STEP, analysis, param=p, line=line, num_steps=num_steps
+            )
+
+
+# What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).
+_NEEDS_CONCRETE = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+    TypeError,
+)
+
+
+def _settle_scalars(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    for_eval: dict[str, Role],
+    kinds: dict[str, tuple[Role, str]],
+    scalars: list[str],
+) -> Any:
+    """With num_steps=1, Python scalars are traced, as `jax.jit` traces them (a step counter
+    compiles once). One the step needs as a concrete value (a layer size, a Python branch)
+    fails to trace: it is made static, as `static_argnames` or `eqx.filter_jit` would (each
+    value then compiles once). Returns one step's abstract output."""
+    try:
+        return _eval_one_step(fn, params, values, for_eval, 1)
+    except _NEEDS_CONCRETE as e:
+        failure: Exception = e
+    trials = [[p] for p in scalars] + ([scalars] if len(scalars) > 1 else [])
+    for trial in trials:
+        roles = {**for_eval, **dict.fromkeys(trial, "static")}
+        try:
+            out = _eval_one_step(fn, params, values, roles, 1)  # type: ignore[arg-type]
+        except _NEEDS_CONCRETE:
+            continue
+        for p in trial:
+            for_eval[p] = "static"
+            kinds[p] = (
+                "static",
+                f"a Python {type(values[p]).__name__} the step needs as a concrete value "
+                f"(traced, it raised {type(failure).__name__}): static, as with static_argnames",
+            )
+        return out
+    raise failure
+
+
+def _raise_leading_axis_errors(
+    analysis: Analysis,
+    kinds: dict[str, tuple[Role, str]],
+    deferred: dict[str, Exception],
+    values: dict[str, Any],
+    num_steps: int,
+    options: Options,
+    cause: BaseException | None,
+) -> None:
+    """Raise the first leading-axis error of an argument that is not state: mixed leading
+    axes, or a short first chunk."""
+    found = next((deferred[p] for p in kinds if p in deferred), None)
+    if found is None and num_steps > 1:
+        found = _short_first_chunk(analysis, kinds, values, num_steps, options)
+    if found is not None:
+        raise found from cause
+
+
+def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role, str] | Exception:
+    """The role of an argument the source and options leave open, from its value, or the
+    error for an argument with mixed leading axes (raised unless it is matched as state)."""
     if isinstance(value, _STATIC_SCALARS) or (num_steps > 1 and isinstance(value, _SCALARS)):
         return "static", f"a Python {type(value).__name__}, static as in eqx.filter_jit"
     leaves = jax.tree_util.tree_leaves(value)
@@ -180,7 +387,7 @@ def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role,
         for path, leaf in paths
         if not (is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == num_steps)
     )
-    raise error(
+    return error(
         ShapeError,
         MIXED_ARGUMENT,
         analysis,
@@ -191,18 +398,18 @@ def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role,
     )
 
 
-def _check_first_chunk(
+def _short_first_chunk(
     analysis: Analysis,
     kinds: dict[str, tuple[Role, str]],
     values: dict[str, Any],
     num_steps: int,
     options: Options,
-) -> None:
+) -> Exception | None:
     """A first call with no per-step argument, where an argument's array leaves all share a
     leading axis shorter than num_steps, is ambiguous: a short first chunk, or a batch reused
     for every step? The user says which."""
     if options.per_step or any(role == "scanned" for role, _ in kinds.values()):
-        return
+        return None
     for p, (role, _) in kinds.items():
         if role != "broadcast":
             continue
@@ -211,7 +418,7 @@ def _check_first_chunk(
         if arrays and len(lengths) == 1:
             (length,) = lengths
             if 0 < length < num_steps:
-                raise error(
+                return error(
                     ShapeError,
                     SHORT_FIRST_CHUNK,
                     analysis,
@@ -219,17 +426,22 @@ def _check_first_chunk(
                     length=length,
                     num_steps=num_steps,
                 )
+    return None
 
 
-def _abstract(value: Any, drop_axis: bool) -> tuple[Any, list[Any]]:
-    """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs."""
+def _abstract(value: Any, drop_axis: bool, scalars: bool = False) -> tuple[Any, list[Any]]:
+    """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs, and with
+    `scalars` Python numbers too (weakly typed, as `jax.jit` traces a per-step one)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
     treedef_: Any = treedef
-    positions = [i for i, x in enumerate(leaves) if is_array(x)]
+    positions = [
+        i for i, x in enumerate(leaves) if is_array(x) or (scalars and isinstance(x, _SCALARS))
+    ]
     abstract = [
         jax.ShapeDtypeStruct(
             np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
             jax.numpy.result_type(leaves[i]),
+            weak_type=isinstance(leaves[i], _SCALARS),
         )
         for i in positions
     ]
@@ -257,7 +469,12 @@ def _eval_one_step(
         if role == "static":
             parts.append((None, values[p]))
         else:
-            parts.append(_abstract(values[p], drop_axis=role == "scanned" and num_steps > 1))
+            # A per-step input with one step a call goes into `jax.jit` as it is: its Python
+            # numbers are traced.
+            scanned = role == "scanned"
+            parts.append(
+                _abstract(values[p], scanned and num_steps > 1, scanned and num_steps == 1)
+            )
 
     found: dict[str, Any] = {}
 
@@ -448,7 +665,7 @@ def _to_array(
 
 def _describe(value: Any) -> str:
     """`a Model`, `a flax.Optimizer`, `a equinox.MLP`: the class, with its library's name."""
-    t = type(value)
+    t = value.__class__  # a handle's: its object's class
     root = t.__module__.split(".")[0]
     known = ("flax", "equinox", "optax", "jax", "haiku", "numpy")
     return f"a {root}.{t.__qualname__}" if root in known else f"a {t.__qualname__}"

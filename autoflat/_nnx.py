@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -42,6 +43,23 @@ from ._writeback import register_holder
 _INTERNAL_PREFIXES = ("_pytree__", "_object__")
 _NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 _is = operator.is_
+
+
+def take_graph_cache() -> None:
+    """Take the graph cache that `nnx.cached_partial(step, model, optimizer)` leaves for the
+    call it wraps.
+
+    `cached_partial` clones the cached objects once (the clones hold the caller's own
+    Variables) and calls the step inside a Flax context holding a cache of their traversal,
+    which only NNX transforms consume: Flax raises when the call returns and nobody took it.
+    autoflat keeps its own cache of the objects (`NnxCache`, which the clones hit on every
+    call), so it takes Flax's and drops it, as an NNX transform would take it."""
+    graphlib = sys.modules.get("flax.nnx.graphlib")
+    if graphlib is None:
+        return
+    context = getattr(graphlib, "GRAPH_CONTEXT", None)
+    if getattr(context, "tmp_static_cache", None) is not None:
+        context.tmp_static_cache = None  # type: ignore[union-attr]
 
 
 def get_raw(v: Any) -> Any:

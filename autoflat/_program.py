@@ -28,7 +28,7 @@ from ._errors import UNHASHABLE_STATIC, CallError, error
 from ._handles import LazyHandle
 from ._infer import arg_kinds, infer
 from ._roles import Options, Roles, assign_roles
-from ._structure import FlatState, Placement, Structure
+from ._structure import FlatState, Placement, Structure, is_array
 from ._tracing import HELPERS
 from ._transport import Layout, PackMode
 
@@ -47,10 +47,19 @@ class Program:
         "bcast_idx",
         "static_idx",
         "written_back_idx",
+        "instance_idx",
+        "instance_attrs",
+        "static_names",
     )
 
     def __init__(
-        self, roles: Roles, generated: GeneratedCode, fn: Callable[..., Any], filename: str
+        self,
+        roles: Roles,
+        generated: GeneratedCode,
+        fn: Callable[..., Any],
+        filename: str,
+        instance: str | None = None,
+        instance_attrs: tuple[str, ...] = (),
     ):
         self.roles = roles
         self.generated = generated
@@ -63,6 +72,12 @@ class Program:
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
         # (state position, parameter index) of state written back into the caller's object.
         self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)
+        # A method step's instance and the attributes its body reads (`self.lr`): when the
+        # instance is a plain object (not a pytree), their values are part of the call's
+        # static key, so a changed attribute recompiles instead of being frozen.
+        self.instance_idx = idx[instance] if instance is not None else -1
+        self.instance_attrs = instance_attrs if instance is not None else ()
+        self.static_names = roles.of("static") + tuple(f"{instance}.{a}" for a in instance_attrs)
 
     def result(self, handles: list[Any], outputs: Any) -> Any:
         """What the step returns: its state (as handles) and outputs, in the user's order."""
@@ -107,7 +122,11 @@ class Programs:
                 analysis.funcdef.name.value, index, analysis.filename, analysis.def_line
             )
             fn = _loading.load(generated, self._user_fn, HELPERS, filename)
-            program = self._by_roles[roles] = Program(roles, generated, fn, filename)
+            instance = self._options.instance
+            attrs = tuple(a for q, a in analysis.attribute_reads if q == instance)
+            program = self._by_roles[roles] = Program(
+                roles, generated, fn, filename, instance, attrs
+            )
         return program
 
     def for_args(
@@ -211,7 +230,7 @@ class SpecCache:
                 tuple(placements),
                 tuple(layouts),
                 tuple(bcast_structures),
-                dict(zip(program.roles.of("static"), static, strict=True)),
+                dict(zip(program.static_names, static, strict=True)),
                 self._num_steps,
                 self._unroll,
                 self._pack,
@@ -220,7 +239,7 @@ class SpecCache:
         return spec
 
     def _unhashable(self, program: Program, static: tuple[Any, ...]) -> Exception:
-        for p, v in zip(program.roles.of("static"), static, strict=True):
+        for p, v in zip(program.static_names, static, strict=True):
             try:
                 hash(v)
             except TypeError:
@@ -314,3 +333,59 @@ def jitted(note_trace: Callable[[CallSpec, Any], None], donate: bool) -> Any:
         static_argnums=0,
         donate_argnums=(1,) if donate else (),
     )
+
+
+_MISSING = object()
+_plain: dict[type, bool] = {}
+
+
+class _Attribute:
+    """An attribute value of a method's plain-object instance, as part of a call's static key:
+    equal by type and value when hashable, else by identity (an array, a model)."""
+
+    __slots__ = ("value", "_key")
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        key: Any
+        if is_array(value):
+            key = id(value)
+        else:
+            try:
+                key = (type(value), hash(value), value)
+            except TypeError:
+                key = id(value)
+        self._key = key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Attribute):
+            return False
+        if isinstance(self._key, int):
+            return other.value is self.value
+        return self._key == other._key
+
+    def __repr__(self) -> str:
+        if self.value is _MISSING:
+            return "<unset>"
+        if is_array(self.value):
+            return f"a new {self.value.dtype}{list(self.value.shape)} array"
+        return repr(self.value)
+
+
+def instance_attributes(program: Program, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The static-key part of a method step's plain-object instance: the attributes its body
+    reads (nothing for a pytree instance, whose leaves are broadcast inputs)."""
+    obj = args[program.instance_idx]
+    t = type(obj)
+    plain = _plain.get(t)
+    if plain is None:
+        plain = _plain[t] = hasattr(obj, "__dict__") and jax.tree_util.treedef_is_leaf(
+            jax.tree_util.tree_structure(obj)
+        )
+    if not plain:
+        return (None,) * len(program.instance_attrs)
+    d = obj.__dict__
+    return tuple(_Attribute(d.get(a, _MISSING)) for a in program.instance_attrs)

@@ -212,7 +212,11 @@ def assign_roles(
             reasons.append("static_argnames=")
         elif p == options.instance:
             roles.append("broadcast")
-            reasons.append("the method's instance")
+            read = [f"{p}.{a}" for q, a in analysis.attribute_reads if q == p]
+            reasons.append(
+                "the method's instance"
+                + (f"; a new value of {', '.join(read)} recompiles" if read else "")
+            )
         elif p in options.broadcast:
             roles.append("broadcast")
             reasons.append("broadcast=")

@@ -8,11 +8,14 @@ line, or raises a `SourceError` saying why it cannot (a lambda, code typed at a 
 """
 
 from __future__ import annotations
+import __future__
 
+import dis
 import functools
 import inspect
 import sys
 import textwrap
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -132,3 +135,107 @@ def read_source(fn: Callable[..., Any]) -> tuple[str, str, int]:
     except (OSError, TypeError) as e:
         raise error(SourceError, NO_SOURCE, at, reason=str(e)) from None
     return textwrap.dedent("".join(lines)), filename, first
+
+
+# The compiler flags of `from __future__` imports, which change what a body compiles to.
+_FUTURE_FLAGS = functools.reduce(
+    lambda a, name: a | getattr(__future__, name).compiler_flag, __future__.all_feature_names, 0
+)
+
+
+def matches_code(fn: Any, source: str) -> bool | None:
+    """Whether `source` (the dedented `def` read from the function's file) compiles to the
+    function's own code object: False when the file was edited after the function was
+    imported; None when the source cannot be compiled apart from its module.
+
+    The `def` is compiled in a scope like its own: inside a function that binds its free
+    variables (so they compile as closure loads, not globals), and inside a class when it uses
+    zero-argument `super()` (the `__class__` cell). Line numbers are not part of the
+    comparison, so moving the function in its file is not an edit."""
+    code = fn.__code__
+    free = [v for v in code.co_freevars if v != "__class__"]
+    lines: list[str] = []
+    indent = ""
+    if free:
+        lines.append("def __autoflat_scope__():")
+        indent = "    "
+        lines.append(f"{indent}{', '.join(free)} = {', '.join(['None'] * len(free))}")
+    if "__class__" in code.co_freevars:
+        lines.append(f"{indent}class __autoflat_class__:")
+        indent += "    "
+    text = "\n".join(lines) + "\n" + textwrap.indent(source, indent)
+    try:
+        module = compile(
+            text, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True
+        )
+    except (SyntaxError, ValueError):
+        return None
+    found = _find_code(module, code.co_name)
+    if found is None:
+        return False
+    return _same_code(found, code)
+
+
+def _find_code(code: types.CodeType, name: str) -> types.CodeType | None:
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            if c.co_name == name and not c.co_name.startswith("__autoflat_"):
+                return c
+            if c.co_name.startswith("__autoflat_"):
+                inner = _find_code(c, name)
+                if inner is not None:
+                    return inner
+    return None
+
+
+# Instructions left out of the comparison, and ones compared as another: how the compiler
+# spells a call or a name load depends on the module around the function (a name bound by an
+# `import` is called without LOAD_METHOD on Python 3.11), not on the body.
+_SKIPPED = frozenset(
+    {
+        "CACHE", "NOP", "EXTENDED_ARG", "RESUME", "PUSH_NULL", "PRECALL", "COPY_FREE_VARS",
+        "MAKE_CELL", "RETURN_GENERATOR",
+    }
+)  # fmt: skip
+_AS = {
+    "LOAD_METHOD": "LOAD_ATTR",
+    "LOAD_GLOBAL": "LOAD_NAME",
+    "LOAD_DEREF": "LOAD_NAME",
+    "LOAD_CLASSDEREF": "LOAD_NAME",
+    "LOAD_FROM_DICT_OR_DEREF": "LOAD_NAME",
+    "LOAD_FROM_DICT_OR_GLOBALS": "LOAD_NAME",
+}
+_JUMPS = frozenset([*dis.hasjrel, *getattr(dis, "hasjabs", ()), *getattr(dis, "hasjump", ())])
+
+
+def _instructions(code: types.CodeType) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _SKIPPED:
+            continue
+        arg = ins.argval
+        if ins.opcode in _JUMPS:
+            arg = None  # offsets shift with the skipped instructions
+        elif isinstance(arg, types.CodeType):
+            arg = "<code>"  # compared on its own
+        elif isinstance(arg, float | complex):
+            arg = repr(arg)  # NaN
+        out.append((_AS.get(ins.opname, ins.opname), arg))
+    return out
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    if (
+        a.co_varnames != b.co_varnames
+        or a.co_freevars != b.co_freevars
+        or a.co_cellvars != b.co_cellvars
+        or a.co_argcount != b.co_argcount
+        or a.co_kwonlyargcount != b.co_kwonlyargcount
+        or _instructions(a) != _instructions(b)
+    ):
+        return False
+    nested_a = [c for c in a.co_consts if isinstance(c, types.CodeType)]
+    nested_b = [c for c in b.co_consts if isinstance(c, types.CodeType)]
+    return len(nested_a) == len(nested_b) and all(
+        _same_code(x, y) for x, y in zip(nested_a, nested_b, strict=True)
+    )

@@ -9,6 +9,7 @@ JAX's ahead-of-time stages instead of running it. `source` is the generated text
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import sys
@@ -28,14 +29,16 @@ from ._errors import (
     BAD_NUM_STEPS,
     BAD_PACK,
     DECORATOR_ORDER,
+    NOTHING_TO_RECOVER,
     Location,
     OptionError,
     SourceError,
+    StateError,
     error,
     where,
 )
 from ._handles import LazyHandle, Origin
-from ._nnx import NnxState
+from ._nnx import NnxState, take_graph_cache
 from ._program import Program, Programs, SpecCache, entry, jitted
 from ._roles import Options
 from ._source import unwrap_function
@@ -140,6 +143,9 @@ class Step:
         self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
         # Flax NNX objects passed again and again (mutation style).
         self._nnx = NnxState()
+        # The call in progress and its program's results, kept until it finishes (`recover`).
+        self._in_flight: Any = None
+        self._landed: collections.deque[Any] = collections.deque(maxlen=1)
         self._jit = jitted(self._diag.note_trace, bool(self.donate))
         # The same program without donation, for programs that call back to the host.
         self._jit_keep = jitted(self._diag.note_trace, False) if self.donate is True else None
@@ -167,13 +173,38 @@ class Step:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        take_graph_cache()  # a call through nnx.cached_partial: Flax's cache is ours to take
         # A recompile warning noted by an earlier call, issued before this one takes anything:
         # the caller's filters may make it an error, and then every state is still usable.
         self._diag.warn_if_pending(stacklevel=2)
         self._diag.stats.calls += 1
         call = prepare(self, args, kwargs)
+        self._in_flight = call
         state_out, outputs = launch(self, call)
-        return finish(self, call, state_out, outputs)
+        result = finish(self, call, state_out, outputs)
+        self._in_flight = None
+        self._landed.clear()
+        return result
+
+    def recover(self) -> Any:
+        """The result of the last call, when a `KeyboardInterrupt` (or another exception
+        raised from a signal handler) stopped it after its compiled program ran.
+
+        By then the program has consumed the state passed in (its buffers were donated), and
+        its new state exists only in the step: `recover()` returns it as the call would have
+        (handles, outputs, write-backs into the caller's objects done). An interrupt before the
+        program ran leaves the inputs intact instead, and there is nothing to recover. Call it
+        before the step's next call, which forgets the interrupted one.
+
+        **Raises:** `StateError` when there is nothing to recover."""
+        call = self._in_flight
+        if call is None or not self._landed:
+            raise error(StateError, NOTHING_TO_RECOVER, self._analysis)
+        state_out, outputs = self._landed[0]
+        result = finish(self, call, state_out, outputs)
+        self._in_flight = None
+        self._landed.clear()
+        return result
 
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:

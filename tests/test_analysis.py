@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import autoflat
@@ -300,3 +301,63 @@ def test_source_edited_since_import_is_a_clear_error(tmp_path, monkeypatch):
     linecache.checkcache(str(path))
     with pytest.raises(autoflat.SourceError, match="no longer matches the function"):
         autoflat.step(mod.update)
+
+
+def test_body_edited_since_import_with_the_same_signature(tmp_path, monkeypatch):
+    """The file changed after import but the `def` line did not (issue 13, item 8): the body
+    on disk compiles to other code than the function imported, and autoflat refuses it rather
+    than compile the new body."""
+    import importlib
+    import linecache
+
+    path = tmp_path / "edited_body.py"
+    path.write_text("def update(model, x):\n    model = model + x\n    return model\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("edited_body")
+    path.write_text("def update(model, x):\n    model = model - 2 * x\n    return model\n")
+    linecache.checkcache(str(path))
+    with pytest.raises(autoflat.SourceError, match="no longer matches the function"):
+        autoflat.step(mod.update)
+    # Moving the function in its file (a new first line) is not an edit.
+    path.write_text(
+        "\n# a comment\ndef update(model, x):\n    model = model + x\n    return model\n"
+    )
+    linecache.checkcache(str(path))
+    np.testing.assert_allclose(autoflat.step(mod.update)(jnp.ones(2), jnp.ones(2)), [2.0, 2.0])
+
+
+def test_a_renamed_function_is_not_taken_for_an_edited_one():
+    def update(model, x):
+        model = model + x
+        return model
+
+    update.__name__ = "renamed"
+    update.__qualname__ = "renamed"
+    step = autoflat.step(update)
+    np.testing.assert_allclose(step(jnp.ones(2), jnp.ones(2)), [2.0, 2.0])
+
+
+def test_closures_methods_and_future_annotations_match_their_source():
+    """What the unedited-source check compiles the `def` in: a closure's free variables, a
+    method's `__class__` cell (zero-argument super()), this module's `from __future__`."""
+    from autoflat._source import matches_code, read_source
+
+    scale = 2.0
+
+    def closure(p: jax.Array, x: float) -> jax.Array:
+        def inner(y: jax.Array) -> jax.Array:
+            return y * scale
+
+        return inner(p) + x
+
+    class Base:
+        def update(self, p, x):
+            return p + x
+
+    class Child(Base):
+        def update(self, p, x):
+            p = super().update(p, x) * scale
+            return p
+
+    for fn in (closure, Child.update, test_a_renamed_function_is_not_taken_for_an_edited_one):
+        assert matches_code(fn, read_source(fn)[0]) is True, fn

@@ -62,16 +62,6 @@ KS = (1, 4)
 _VALUE_DEPRECATED = "ignore:'.value' (access|setter) is now deprecated:DeprecationWarning"
 _EQX_BATCHNORM_MODE = "ignore:When `eqx.nn.BatchNorm:UserWarning"
 
-# The state-by-value matching of autoflat (docs/roles.md) runs after per-step/broadcast checks
-# of the leading axis: a state argument that is not returned by name and whose arrays all have
-# a leading axis shorter than num_steps is taken for "a short first chunk or a full batch".
-_STATE_TAKEN_FOR_SHORT_CHUNK = (
-    "{param} is state (returned as {ret}), but with num_steps=4 autoflat checks its leading "
-    "axes ({length}, shorter than 4) before it matches state by value, and raises a ShapeError "
-    'that names per_step="{param}" or broadcast="{param}": both are wrong (broadcast= returns '
-    'the new state stacked as a per-step output); state="{param}" works, and is not named'
-)
-
 CASES: dict[str, Case] = {
     # JAX's own examples (jax-ml/jax examples/, jax.example_libraries)
     "jax_mnist_classifier": Case("jax", "update", jax.jit),
@@ -94,18 +84,6 @@ CASES: dict[str, Case] = {
         nnx.jit,
         ignore=(_VALUE_DEPRECATED,),
         run_kwargs={"cached": True},
-        defects={
-            k: (
-                ValueError,
-                "upstream's loop calls `nnx.cached_partial(train_step, model, optimizer)(batch)`; "
-                'with the decorator swapped it fails inside Flax ("GRAPH_CONTEXT.'
-                'tmp_static_cache should be None, no context consumed it"): cached_partial '
-                "leaves a graph cache that only NNX transforms consume. autoflat neither "
-                "consumes it nor raises an AutoflatError saying to call `train_step(model, "
-                "optimizer, batch)` (which works: flax_nnx_toy_lifted_direct)",
-            )
-            for k in (1, 4)
-        },
     ),
     "flax_nnx_toy_lifted_direct": Case(
         "flax.nnx",
@@ -129,16 +107,6 @@ CASES: dict[str, Case] = {
         # Upstream calls train_step without jit; eagerly it takes ~10 s on CPU, and jax.jit
         # with `latents` static is the same computation.
         functools.partial(jax.jit, static_argnums=3),
-        defects={
-            1: (
-                TypeError,
-                "`latents` is a Python int the step uses as a shape (`nn.Dense(self.latents)`). "
-                "With num_steps=4 autoflat makes it static and the step works; with "
-                "num_steps=1 it traces it (as jax.jit would; upstream runs the step without "
-                "jit) and the call fails with JAX's ConcretizationTypeError, not an "
-                'AutoflatError naming static_argnames="latents"',
-            )
-        },
     ),
     # Equinox
     "eqx_mnist": Case("equinox", "make_step", eqx.filter_jit),
@@ -168,30 +136,8 @@ CASES: dict[str, Case] = {
     "optax_mlp_mnist": Case("optax + flax.nnx", "train_step", nnx.jit),
     "optax_lookahead_mnist": Case("optax + flax.nnx", "train_step", jax.jit),
     "optax_meta_learning": Case("optax", "outer_step", jax.jit),
-    "optax_sam": Case(
-        "optax",
-        None,
-        jax.jit,
-        defects={
-            4: (
-                autoflat.ShapeError,
-                _STATE_TAKEN_FOR_SHORT_CHUNK.format(
-                    param="store", ret="`store._replace(...)`", length=2
-                ),
-            )
-        },
-    ),
-    "optax_freezing_parameters": Case(
-        "optax",
-        "train_step",
-        jax.jit,
-        defects={
-            4: (
-                autoflat.ShapeError,
-                _STATE_TAKEN_FOR_SHORT_CHUNK.format(param="p", ret="`new_p`", length=1),
-            )
-        },
-    ),
+    "optax_sam": Case("optax", None, jax.jit),
+    "optax_freezing_parameters": Case("optax", "train_step", jax.jit),
 }
 
 
@@ -285,12 +231,6 @@ def test_cases_cover_issue_12() -> None:
         assert header.startswith("# Upstream: "), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the defects marked on the cases above (k=1: flax_linen_vae, flax_nnx_toy_lifted; "
-    "k=4: 3 of 21 cases)",
-)
 def test_issue_12_outcome_rule() -> None:
     """Issue 12's "Done when": every case works at k=1; at k=4 at least 90% work unchanged (the
     rest raising an AutoflatError that names a working one-line fix: no case needs one now)."""
@@ -300,16 +240,10 @@ def test_issue_12_outcome_rule() -> None:
     assert len(working) >= 0.9 * len(cases), sorted(set(cases) - set(working))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=autoflat.ShapeError,
-    reason="upstream's own sizes with num_steps=10: the classifier's last layer is Dense(10), "
-    "so opt_state (returned as `opt_update(...)`, state by value) has leaves with a leading "
-    "axis of 10 and others without; autoflat checks per-step/broadcast before it matches "
-    'state by value and raises a ShapeError naming per_step= or broadcast= ("mixed '
-    'argument"), both wrong; state="opt_state" works and is not named',
-)
 def test_jax_mnist_classifier_k10_upstream_sizes() -> None:
+    """Upstream's own sizes with num_steps=10: the classifier's last layer is Dense(10), so
+    opt_state (returned as `opt_update(...)`) has leaves with a leading axis of 10 and others
+    without. It is state matched by value, not a per-step input with mixed leading axes."""
     mod = _module("jax_mnist_classifier")
     batches = [mod.BATCHES[i % len(mod.BATCHES)] for i in range(10)]
     _, init_params = mod.init_random_params(jax.random.key(0), (-1, mod.FEATURES))

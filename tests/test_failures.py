@@ -142,7 +142,9 @@ def test_show_and_stats_on_a_method_reached_through_an_instance():
     t = Trainer(0.5)
     t.train(jnp.float32(0.0), jnp.ones(()))
     assert autoflat.stats(t.train).calls == 1
-    assert "# self: broadcast (the method's instance)" in autoflat.show(t.train)
+    assert "# self: broadcast (the method's instance; a new value of self.lr recompiles)" in (
+        autoflat.show(t.train)
+    )
 
 
 def test_eqx_error_if_is_a_run_time_failure_that_loses_nothing():
@@ -350,3 +352,259 @@ def test_a_flax_nnx_variable_passed_to_another_step_keeps_the_model_intact():
     np.testing.assert_allclose(model.w[...], [2.0, 2.0])
     step(model, jnp.ones(2))
     np.testing.assert_allclose(model.w[...], [3.0, 3.0])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(
+    "spelling", ["update", "ior", "setdefault_pop", "setattr", "append", "iadd_list"]
+)
+def test_in_place_spellings_are_written_back(spelling, k):
+    """Item 9: `d.update(...)`, `d |= ...`, `d.pop(k)`, `setattr(o, ...)`, `xs.append(...)`
+    change the caller's object as `d[k] = ...` does (they were silently dropped)."""
+
+    class Box:
+        pass
+
+    def update(totals, x):
+        if spelling == "update":
+            totals.update({"sum": totals["sum"] + jnp.sum(x)})
+        elif spelling == "ior":
+            totals |= {"sum": totals["sum"] + jnp.sum(x)}
+        elif spelling == "setdefault_pop":
+            old = totals.pop("sum")
+            totals.setdefault("sum", old + jnp.sum(x))
+        elif spelling == "setattr":
+            totals.sum = totals.sum + jnp.sum(x)
+        elif spelling == "append":
+            totals.append(totals.pop() + jnp.sum(x))
+        else:
+            totals += [totals.pop() + jnp.sum(x)]
+        return jnp.sum(x)
+
+    if spelling == "setattr":
+        totals = Box()
+        totals.sum = jnp.zeros(())
+        jax.tree_util.register_pytree_node(
+            Box, lambda b: ((b.sum,), None), lambda _, c: _box(Box, c[0])
+        )
+    elif spelling in ("append", "iadd_list"):
+        totals = [jnp.zeros(())]
+    else:
+        totals = {"sum": jnp.zeros(())}
+    step = autoflat.step(update, num_steps=k)
+    x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    for _ in range(2):
+        step(totals, x)
+    got = (
+        totals.sum
+        if spelling == "setattr"
+        else totals[0]
+        if isinstance(totals, list)
+        else totals["sum"]
+    )
+    np.testing.assert_allclose(got, 6.0 * k)
+    assert "changed in place" in autoflat.show(step) or "assigned into" in autoflat.show(step)
+
+
+def _box(cls, value):
+    b = object.__new__(cls)
+    b.sum = value
+    return b
+
+
+def test_an_optax_transformation_update_is_not_a_mutation():
+    """`optimizer.update(grads, opt_state)` on an optax GradientTransformation argument is a
+    call, not an in-place change: only dicts and lists count."""
+    import optax
+
+    def update(params, opt_state, optimizer, x):
+        grads = jax.grad(lambda p: jnp.sum((p - x) ** 2))(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state
+
+    opt = optax.sgd(0.1)
+    step = autoflat.step(update, num_steps=2)
+    params = jnp.zeros(3)
+    params, state = step(params, opt.init(params), opt, jnp.ones((2, 3)))
+    np.testing.assert_allclose(params, [0.36, 0.36, 0.36], rtol=1e-6)
+    assert "# optimizer: broadcast" in autoflat.show(step)
+
+
+def test_a_changed_attribute_of_a_method_steps_instance_is_seen():
+    """Item 10: `t.lr = 0.1` after the first call was ignored (the instance was a static leaf
+    hashed by identity). The attributes the body reads are part of the call's key: a new value
+    recompiles, with the recompile warning naming it."""
+
+    class Trainer:
+        def __init__(self):
+            self.lr = 0.5
+            self.target = jnp.zeros(2)
+
+        @autoflat.step
+        def train(self, p):
+            p = p - self.lr * (p - self.target)
+            return p
+
+    t = Trainer()
+    p = t.train(jnp.ones(2))
+    np.testing.assert_allclose(p, [0.5, 0.5])
+    p = t.train(p)
+    np.testing.assert_allclose(p, [0.25, 0.25])
+    t.lr = 1.0
+    p = t.train(p)
+    np.testing.assert_allclose(p, [0.0, 0.0])
+    t.target = jnp.ones(2)
+    np.testing.assert_allclose(t.train(jnp.zeros(2)), [1.0, 1.0])
+    assert autoflat.stats(Trainer.train).traces == 3
+    assert "a new value of self.lr, self.target recompiles" in autoflat.show(Trainer.train)
+    # The recompile warning names the attribute that changed.
+    with pytest.warns(
+        autoflat.AutoflatRecompileWarning, match=r"`self\.lr` \(0\.0625 -> 0\.03125\)"
+    ):
+        for i in range(8):
+            t.lr = 1.0 / 2 ** (i + 1)
+            t.train(p)
+
+
+def test_a_non_array_per_step_input_names_the_argument():
+    """Item 15: a string declared per-step got JAX's message naming `Step._entry` and
+    `xs[1]`; now the argument and leaf path, and the fix."""
+
+    def update(p, tags, x):
+        p = p + x
+        return p
+
+    step = autoflat.step(update, num_steps=2, per_step=("tags", "x"))
+    p = step(jnp.zeros(2), jnp.zeros(2), jnp.ones((2, 2)))
+    with pytest.raises(
+        autoflat.CallError, match=r"`tags\[1\]` is a str, not an array, and `tags` is a per-step"
+    ) as info:
+        step(p, [jnp.zeros(()), "b"], jnp.ones((2, 2)))
+    assert 'static_argnames="tags"' in str(info.value)
+    np.testing.assert_allclose(step(p, jnp.zeros(2), jnp.ones((2, 2))), [4.0, 4.0])  # p intact
+
+
+def _zeros_state():
+    return {"sum": jnp.zeros(3), "n": jnp.zeros(())}
+
+
+def test_a_keyboard_interrupt_after_the_program_ran_is_recoverable(monkeypatch):
+    """An interrupt after the compiled program ran (it consumed the donated state): the new
+    state is reachable from the step, `step.recover()` returns what the call would have."""
+    from helpers import accumulate, ones
+
+    import autoflat._step as step_module
+
+    step = autoflat.step(accumulate, num_steps=2)
+    s, _ = step(_zeros_state(), ones(2))
+    finish = step_module.finish
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step_module, "finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(s, ones(2))
+    monkeypatch.setattr(step_module, "finish", finish)
+    with pytest.raises(autoflat.ConsumedError):
+        s["sum"]  # donated to the interrupted call, and marked so
+    s, outs = step.recover()
+    np.testing.assert_allclose(s["sum"], [4.0, 4.0, 4.0])
+    np.testing.assert_allclose(outs, [3.0, 3.0])
+    with pytest.raises(autoflat.StateError, match="nothing to recover"):
+        step.recover()
+    s, _ = step(s, ones(2))
+    np.testing.assert_allclose(s["n"], 6.0)
+
+
+def test_a_keyboard_interrupt_before_the_program_ran_leaves_the_inputs(monkeypatch):
+    from helpers import accumulate, ones
+
+    import autoflat._call as call_module
+
+    step = autoflat.step(accumulate, num_steps=2)
+    s, _ = step(_zeros_state(), ones(2))
+    runner = call_module.runner
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(call_module, "runner", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(s, ones(2))
+    monkeypatch.setattr(call_module, "runner", runner)
+    with pytest.raises(autoflat.StateError, match="nothing to recover"):
+        step.recover()
+    s, _ = step(s, ones(2))  # the handle passed to the interrupted call is intact
+    np.testing.assert_allclose(s["sum"], [4.0, 4.0, 4.0])
+
+
+def test_two_threads_passing_one_handle():
+    """Item 11: one wins; the other gets the consumed error (was JAX's "buffer deleted"), and
+    nothing of the winner's result is lost."""
+    import threading
+
+    from helpers import accumulate, ones
+
+    step = autoflat.step(accumulate, num_steps=2)
+    s, _ = step(_zeros_state(), ones(2))
+    results, errors = [], []
+    barrier = threading.Barrier(2)
+
+    def worker():
+        barrier.wait()
+        try:
+            results.append(step(s, ones(2))[0])
+        except Exception as e:
+            errors.append(e)
+
+    for _ in range(20):
+        s, _ = step(s, ones(2))
+        results.clear(), errors.clear()
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 1 and len(errors) == 1, (results, errors)
+        assert isinstance(errors[0], autoflat.ConsumedError), errors[0]
+        s = results[0]
+    assert float(s["n"]) == 2 * (1 + 2 * 20)
+
+
+def test_a_qualname_with_a_line_break():
+    """Item 15: a `__qualname__` holding a newline raised a libcst validation error."""
+
+    def update(p, x):
+        p = p + x
+        return p
+
+    update.__qualname__ = "weird\nname"
+    step = autoflat.step(update)
+    np.testing.assert_allclose(step(jnp.ones(2), jnp.ones(2)), [2.0, 2.0])
+    assert "# autoflat: generated from `weird\\nname`" in autoflat.show(step)
+
+
+def test_a_per_step_batch_written_into_is_not_carried_silently():
+    """`batch["x"] = ...` made `batch` state: with num_steps=4 each step saw all four steps'
+    values, carried and doubled (losses far from jax.jit's, and the caller's batch changed).
+    Now an error names the two readings; per_step= gives jax.jit's result."""
+
+    def update(p, batch):
+        batch["x"] = batch["x"] * 2
+        p = p + jnp.sum(batch["x"])
+        return p
+
+    xs = jnp.arange(8.0).reshape(4, 2)
+    ref = jnp.zeros(())
+    for i in range(4):
+        ref = jax.jit(update)(ref, {"x": xs[i]})
+    batch = {"x": xs}
+    with pytest.raises(autoflat.ShapeError, match=r"writes into `batch` \(line \d+\)") as info:
+        autoflat.step(update, num_steps=4)(jnp.zeros(()), batch)
+    assert 'per_step="batch"' in str(info.value) and 'state="batch"' in str(info.value)
+    assert batch["x"] is xs  # nothing written back
+    step = autoflat.step(update, num_steps=4, per_step="batch")
+    np.testing.assert_allclose(step(jnp.zeros(()), batch), ref)
+    assert batch["x"] is xs  # changed locally, as under jax.jit

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tree_allclose
 
 import autoflat
 
@@ -252,6 +253,97 @@ def test_mixed_leading_axes_name_the_leaf():
         step(jnp.zeros(()), {"x": jnp.ones((4, 2)), "mask": jnp.ones(3)})
 
 
+def test_mixed_leading_axes_error_names_state_too():
+    def update(p, batch):
+        p = p + jnp.sum(batch["x"]) + jnp.sum(batch["mask"])
+        return p
+
+    step = autoflat.step(update, num_steps=4)
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(jnp.zeros(()), {"x": jnp.ones((4, 2)), "mask": jnp.ones(3)})
+    assert 'state="batch"' in str(info.value)
+    assert 'per_step="batch"' in str(info.value) and 'broadcast="batch"' in str(info.value)
+
+
+def test_state_with_mixed_leading_axes_returned_under_another_name():
+    """Leaves with a leading axis of num_steps and others without: state matched by value
+    before the leading axes are judged (JAX's mnist_classifier with a Dense(10) last layer at
+    num_steps=10); it was a "mixed argument" error naming only per_step= and broadcast=."""
+
+    def update(params, x):
+        new_params = {"w": params["w"] - 0.1 * x[0], "b": params["b"] * 0.9 + jnp.sum(x)}
+        return new_params, jnp.sum(x)
+
+    start = {"w": jnp.arange(4.0), "b": jnp.ones(3)}  # w has a leading axis of 4 = num_steps
+    xs = _batches(8, (4,))
+    (ref,), ref_outs = _reference(update, (start,), (xs,), 8)
+    step = autoflat.step(update, num_steps=K)
+    (got,), outs = _run(step, (start,), (xs,), 8, K)
+    tree_allclose(ref, got, rtol=1e-6)
+    np.testing.assert_allclose(np.ravel(outs), np.stack([o[0] for o in ref_outs]), rtol=1e-6)
+    assert "# params: state (matched by value to return position 0)" in autoflat.show(step)
+
+
+def test_state_shorter_than_num_steps_returned_under_another_name():
+    """Every leaf of the state with a leading axis shorter than num_steps (optax's SAM example
+    keeps two parameter vectors of 2 entries): state matched by value, not "a short first
+    chunk"; and a non-state argument like that still raises."""
+
+    def update(store, x):
+        new = {"a": store["a"] + x, "b": store["b"] * 0.5}
+        return new, jnp.sum(new["a"])
+
+    start = {"a": jnp.ones((2, 3)), "b": jnp.ones((2,))}
+    xs = _batches(8, (3,))
+    (ref,), _ = _reference(update, (start,), (xs,), 8)
+    step = autoflat.step(update, num_steps=K)
+    (got,), _ = _run(step, (start,), (xs,), 8, K)
+    tree_allclose(ref, got, rtol=1e-6)
+
+    def not_state(p, batch):
+        return p + jnp.sum(batch), jnp.sum(batch)
+
+    step = autoflat.step(not_state, num_steps=K)
+    with pytest.raises(autoflat.ShapeError, match="short chunk of 2 steps") as info:
+        step(jnp.zeros(()), jnp.ones((2, 3)))
+    assert 'state="batch"' in str(info.value)
+
+
+def test_a_python_int_used_as_a_shape_at_one_step_a_call_is_static():
+    """With num_steps=1 Python ints are traced as jax.jit traces them, except one the step
+    needs concrete (a layer size: Flax's VAE example passes `latents`): static then, each value
+    compiled once, where jax.jit raises (a TypeError or a ConcretizationTypeError)."""
+
+    def update(p, x, size):
+        p = p + jnp.sum(jnp.zeros(size) + x)
+        return p
+
+    step = autoflat.step(update, num_steps=1)
+    p = step(jnp.zeros(()), jnp.ones(()), 3)
+    p = step(p, jnp.ones(()), 3)
+    np.testing.assert_allclose(p, 6.0)
+    assert autoflat.stats(step).traces == 1
+    assert "# size: static (a Python int the step needs as a concrete value" in autoflat.show(step)
+    with pytest.raises(TypeError, match="concrete values of integer type"):
+        jax.jit(update)(jnp.zeros(()), jnp.ones(()), 3)
+
+
+def test_a_python_int_counter_at_one_step_a_call_is_traced():
+    """A Python int the step only computes with (jax's mnist_classifier passes the step
+    number `i`) stays traced at num_steps=1: one compile for every value."""
+
+    def update(i, p, x):
+        p = p + x * i
+        return p
+
+    step = autoflat.step(update, num_steps=1)
+    p = jnp.zeros(())
+    for i in range(4):
+        p = step(i, p, jnp.ones(()))
+    np.testing.assert_allclose(p, 6.0)
+    assert autoflat.stats(step).traces == 1
+
+
 @pytest.mark.parametrize("k", [1, K])
 def test_train_state_with_a_python_int_step_compiles_once(k):
     train_state = pytest.importorskip("flax.training.train_state")
@@ -298,3 +390,23 @@ def test_state_that_is_one_array_or_none_comes_back_as_it_is():
     assert jnp.asarray(key).dtype == key2.dtype
     key, extra, _ = step(key, extra, jnp.ones(2))
     assert autoflat.stats(step).flattens == 0 and autoflat.stats(step).traces == 1
+
+
+def test_state_whose_first_axis_is_num_steps_returned_under_another_name():
+    """Every leaf of `params` has a leading axis of 4 = num_steps, so it looked per-step; the
+    step returns one step's slice of it as `new`, and the stacked "outputs" came back in its
+    place: silently wrong training. Now an error names state= and per_step=; state= works."""
+
+    def update(params, x):
+        new = {"w": params["w"] - 0.1 * x, "b": params["b"] * 0.5}
+        return new, jnp.sum(x)
+
+    start = {"w": jnp.ones((4, 3)), "b": jnp.ones(4)}
+    xs = _batches(8, (3,))
+    with pytest.raises(autoflat.ShapeError, match="return position 0 gives back") as info:
+        autoflat.step(update, num_steps=K)(start, xs[:K])
+    assert 'state="params"' in str(info.value) and 'per_step="params"' in str(info.value)
+    (ref,), _ = _reference(update, (start,), (xs,), 8)
+    step = autoflat.step(update, num_steps=K, state="params")
+    (got,), _ = _run(step, (start,), (xs,), 8, K)
+    tree_allclose(ref, got, rtol=1e-6)
