@@ -33,6 +33,7 @@ import argparse
 import functools
 import inspect
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -314,13 +315,14 @@ def run_functional(case: str, mesh: Mesh, num_steps: int, results: Results, chec
     params, opt_state = init_state(case, mesh)
     before = jax.tree.leaves((params, opt_state))
     step = make_step(update, num_steps)
-    calls, fast_path = autoflat.stats(step).calls, autoflat.stats(step).fast_path
+    start = autoflat.stats(step)
     p, o = params, opt_state
     losses = []
     batches = feed(case, mesh, num_steps)
     for x, y in batches:
         p, o, loss = step(p, o, x, y)
         losses.append(loss)
+    end = autoflat.stats(step)
     after = jax.tree.leaves((p, o))
     prefix = f"{case}/k{num_steps}"
     _store(results, prefix, after, losses, mesh)
@@ -328,8 +330,9 @@ def run_functional(case: str, mesh: Mesh, num_steps: int, results: Results, chec
         "spans_processes": _spans_processes(before),
         "sharding_changes": sharding_changes(before, after),
         "packing": packing(step.lower(p, o, *batches[-1]), before),
-        "calls": autoflat.stats(step).calls - calls,
-        "fast_path": autoflat.stats(step).fast_path - fast_path,
+        "calls": end.calls - start.calls,
+        "fast_path": end.fast_path - start.fast_path,
+        "traces": end.traces - start.traces,
     }
 
 
@@ -499,11 +502,10 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--timeout", type=int, default=60, help="distributed init timeout (s)")
-    parser.add_argument("--exit-before-init", action="store_true", help="die at once (tests)")
+    parser.add_argument(
+        "--die-after-init", action="store_true", help="exit at once after joining (tests)"
+    )
     args = parser.parse_args(argv)
-    if args.exit_before_init:
-        print(f"process {args.process_id}: exiting before initialize, as asked", file=sys.stderr)
-        return 3
     reason = gloo_unavailable()
     if reason is not None:
         print(f"SKIP: {reason}", file=sys.stderr)
@@ -511,6 +513,11 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     t0 = time.perf_counter()
     initialize(args.port, args.num_processes, args.process_id, args.timeout)
     initialized = time.perf_counter() - t0
+    if args.die_after_init:
+        # as a crash would: no distributed shutdown, the others left waiting for this one
+        print(f"process {args.process_id}: dying after initialize, as asked", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)
     results, checks = run([c for c in args.cases.split(",") if c], args.out)
     checks["seconds"]["initialize"] = round(initialized, 2)
     np.savez(args.out / f"result-{args.process_id}.npz", **results)
