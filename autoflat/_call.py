@@ -261,7 +261,8 @@ def _take_broadcast(
                 s, arrays = cached[1], cached[2]
             else:
                 s, arrays = flatten(a)
-                step._diag.stats.flattens += 1
+                if s.treedef.num_nodes > 1:  # a tree, not one array (a key, a full batch)
+                    step._diag.stats.flattens += 1
                 if s.immutable:
                     cache[k] = (a, s, arrays)
         structures.append(s)
@@ -350,6 +351,7 @@ def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
             LazyHandle._af_check(h)
         for h in handles:
             object.__setattr__(h, "_af_consumed_by", call)
+            object.__setattr__(h, "_af_consumer", step._origin)
     return handles
 
 

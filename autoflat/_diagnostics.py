@@ -32,7 +32,8 @@ class Stats:
     - `calls`: calls of the step.
     - `fast_path`: state arguments taken with no host flatten: lazy handles, and Flax NNX
       objects unchanged since this step's last call.
-    - `flattens`: host-side `tree_flatten`s of state and broadcast arguments.
+    - `flattens`: host-side `tree_flatten`s of state and broadcast arguments (a broadcast
+      argument that is one array is not counted: it has no tree).
     - `copies`: state arguments copied before donation (they were not autoflat's own), or
       packed into fresh buffers.
     - `traces`: traces of the generated function for a call or `lower` (each is followed by

@@ -55,6 +55,7 @@ class LazyHandle:
         "_af_consumed_by",
         "_af_layout",
         "_af_unpacked",
+        "_af_consumer",
         "__weakref__",
     )
 
@@ -65,6 +66,7 @@ class LazyHandle:
     _af_origin: Origin | None
     _af_param: str
     _af_consumed_by: int
+    _af_consumer: Origin | None  # the step whose call consumed it
 
     def __init__(
         self,
@@ -83,6 +85,7 @@ class LazyHandle:
         set_(self, "_af_origin", origin)
         set_(self, "_af_param", param)
         set_(self, "_af_consumed_by", 0)
+        set_(self, "_af_consumer", None)
         set_(self, "_af_layout", layout)
         set_(self, "_af_unpacked", None)
 
@@ -90,7 +93,9 @@ class LazyHandle:
     def _af_check(self) -> None:
         call = object.__getattribute__(self, "_af_consumed_by")
         if call:
-            origin = object.__getattribute__(self, "_af_origin")
+            origin = object.__getattribute__(self, "_af_consumer") or object.__getattribute__(
+                self, "_af_origin"
+            )
             raise error(
                 ConsumedError,
                 CONSUMED,
@@ -293,7 +298,7 @@ def new_handle(
     call, and this is the cheapest way to fill a slotted object whose `__setattr__` forwards
     to the real one."""
     h = object.__new__(LazyHandle)
-    s0, s1, s2, s3, s4, s5, s6, s7, s8 = _slot_setters
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = _slot_setters
     s0(h, structure)
     s1(h, arrays)
     s2(h, placement)
@@ -303,6 +308,7 @@ def new_handle(
     s6(h, 0)
     s7(h, layout)
     s8(h, None)
+    s9(h, None)
     return h
 
 

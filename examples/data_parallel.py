@@ -3,7 +3,9 @@
 The parameters and optimizer state are replicated over a one-axis mesh of 8 devices
 (`NamedSharding(mesh, P())`) and each call's batches, of shape (num_steps, batch, ...), are
 split along the batch axis (`P(None, "data")`): each device computes the gradient of its own
-slice and XLA inserts the all-reduce, as with `jax.jit`. The step is the ordinary one:
+slice and XLA inserts the all-reduce, as with `jax.jit`. `autoflat.chunks(batches, 10,
+sharding=NamedSharding(mesh, P("data")))` stacks the per-step batches and places them so, on
+a background thread. The step is the ordinary one:
 
     @autoflat.step(num_steps=10)
     def update(params, opt_state, x, y):
@@ -97,7 +99,7 @@ def main() -> None:
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     replicated = NamedSharding(mesh, P())
-    batch_sharded = NamedSharding(mesh, P(None, "data"))  # steps unsplit, batch split 8 ways
+    batch_sharded = NamedSharding(mesh, P("data"))  # one step's batch, split 8 ways
     print(f"autoflat {autoflat.__version__}, jax {jax.__version__}")
     print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices")
 
@@ -117,17 +119,16 @@ def main() -> None:
     with tqdm(total=epochs * steps_per_epoch, unit="step", desc="training") as bar:
         for epoch in range(epochs):
             idx = rng.permutation(len(x_train))[: steps_per_epoch * BATCH]
-            idx = idx.reshape(steps_per_epoch, BATCH)
-            xs = jax.device_put(x_train[idx], batch_sharded)  # (steps, BATCH, 64)
-            ys = jax.device_put(y_train[idx], batch_sharded)
-            if epoch == 0:
-                shard = xs.addressable_shards[0].data.shape
-                tqdm.write(f"batches: {xs.shape} sharded {xs.sharding.spec}, per device {shard}")
-            for start in range(0, steps_per_epoch, NUM_STEPS):
-                stop = start + NUM_STEPS
-                params, opt_state, loss = update(params, opt_state, xs[start:stop], ys[start:stop])
+            batches = [(x_train[i], y_train[i]) for i in idx.reshape(steps_per_epoch, BATCH)]
+            # NUM_STEPS batches per chunk, placed with P(None, "data"): steps unsplit
+            chunks = autoflat.chunks(batches, NUM_STEPS, sharding=batch_sharded)
+            for xs, ys in chunks:
+                if bar.n == 0:
+                    shard = xs.addressable_shards[0].data.shape
+                    tqdm.write(f"chunks: {xs.shape} sharded {xs.sharding.spec}, per device {shard}")
+                params, opt_state, loss = update(params, opt_state, xs, ys)
                 losses.extend(np.asarray(loss).tolist())
-                bar.update(NUM_STEPS)
+                bar.update(chunks.last_steps)
             bar.set_postfix(epoch=epoch + 1, loss=f"{losses[-1]:.4f}")
 
     after = jax.tree.leaves(

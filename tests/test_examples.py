@@ -139,7 +139,7 @@ def test_nnx_metrics_smoke(smoke):
 def test_data_parallel_smoke(smoke):
     out = _output(smoke, "data_parallel.py")
     assert "mesh: {'data': 8} over 8 cpu devices" in out
-    assert "batches: (20, 64, 64) sharded P(None, 'data'), per device (20, 8, 64)" in out
+    assert "chunks: (10, 64, 64) sharded P(None, 'data'), per device (10, 8, 64)" in out
     assert "state shardings after training: unchanged" in out
     assert "on 8 devices" in out
     assert "test accuracy:" in out

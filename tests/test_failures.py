@@ -608,3 +608,49 @@ def test_a_per_step_batch_written_into_is_not_carried_silently():
     step = autoflat.step(update, num_steps=4, per_step="batch")
     np.testing.assert_allclose(step(jnp.zeros(()), batch), ref)
     assert batch["x"] is xs  # changed locally, as under jax.jit
+
+
+def test_the_consumed_error_names_the_step_that_consumed_the_handle():
+    """Item 15: the message named the step that made the handle, not the one that took it."""
+
+    def make(p, x):
+        p = {"w": p["w"] + x}
+        return p
+
+    def train(p, x):
+        p = {"w": p["w"] * x}
+        return p
+
+    maker, trainer = autoflat.step(make), autoflat.step(train)
+    h = maker({"w": jnp.ones(2)}, jnp.ones(2))
+    trainer(h, jnp.ones(2))
+    with pytest.raises(autoflat.ConsumedError, match=r"consumed by call 1 of `[\w.<>]*train`"):
+        h["w"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("donate", [True, False])
+def test_numpy_float64_arguments_are_silent_as_under_jax_jit(k, donate):
+    """Item 16: NumPy float64 state, per-step and broadcast inputs (the suite turns warnings
+    into errors) give jax.jit's float32 results without a warning."""
+
+    def update(params, totals, x, scale):
+        params = {"w": params["w"] - scale * x}
+        totals["sum"] = totals["sum"] + np.float32(1.0) * jnp.sum(x)
+        return params, jnp.sum(params["w"])
+
+    params = {"w": np.linspace(0.0, 1.0, 3)}  # float64
+    xs = np.arange(9.0).reshape(3, 3) / 10  # float64
+    scale = np.float64(0.5)
+    ref_p, ref_t = params, {"sum": np.zeros(())}
+    for i in range(3):
+        ref_p, _ = jax.jit(update)(ref_p, ref_t, xs[i], scale)
+    totals = {"sum": np.zeros(())}
+    step = autoflat.step(update, num_steps=k, donate=donate, broadcast="scale")
+    p = params
+    for start in range(0, 3, k):
+        x = xs[start : start + k] if k > 1 else xs[start]
+        p, _ = step(p, totals, x, scale)
+    np.testing.assert_allclose(p["w"], ref_p["w"], rtol=1e-6)
+    np.testing.assert_allclose(totals["sum"], np.sum(xs), rtol=1e-6)
+    assert params["w"].dtype == np.float64  # the caller's arrays are untouched
