@@ -15,6 +15,7 @@ again), and packs the state again when the transport packs it.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 from . import _loading, _transport
 from ._analysis import Analysis
 from ._codegen import GeneratedCode, generate
-from ._errors import UNHASHABLE_STATIC, CallError, error
+from ._errors import UNHASHABLE_STATIC, CallError, Location, error
 from ._handles import LazyHandle
 from ._infer import arg_kinds, infer
 from ._roles import Options, Roles, assign_roles
@@ -50,6 +51,7 @@ class Program:
         "instance_idx",
         "instance_attrs",
         "static_names",
+        "__weakref__",
     )
 
     def __init__(
@@ -149,10 +151,15 @@ class Programs:
 
 
 class CallSpec:
-    """Everything static about one call; interned by `SpecCache`, compared by identity."""
+    """Everything static about one call; interned by `SpecCache`, compared by identity.
+
+    JAX's caches keep the static arguments of the calls they traced after the step is gone, so
+    a spec holds its program weakly (the step's `Programs` holds it) and its function's name
+    and location rather than its source analysis: a dropped step leaves only this small
+    object behind."""
 
     __slots__ = (
-        "program",
+        "_program",
         "structures",
         "placements",
         "layouts",
@@ -179,7 +186,7 @@ class CallSpec:
         pack: PackMode,
         fn: Analysis,
     ) -> None:
-        self.program = program
+        self._program = weakref.ref(program)
         self.structures = structures
         self.placements = placements
         self.layouts = layouts
@@ -188,9 +195,15 @@ class CallSpec:
         self.num_steps = num_steps
         self.unroll = unroll
         self.pack = pack
-        self.fn = fn  # the step's source analysis: its name and location for messages
+        self.fn = Location(fn.name, fn.where)  # the step's name and location, for messages
         # Whether the program calls back to the host (set at its first trace; see `calls_back`).
         self.may_fail: bool | None = None
+
+    @property
+    def program(self) -> Program:
+        program = self._program()
+        assert program is not None, "a CallSpec outlived its step"
+        return program
 
     def __repr__(self) -> str:
         return f"CallSpec({self.fn.name}, static={self.static})"

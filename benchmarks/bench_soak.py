@@ -13,6 +13,8 @@ after `gc.collect()`):
 2. **Steps created and dropped.** `--steps` new `autoflat.step`s of a fresh function (each
    generated, compiled and called twice with its own broadcast array), then dropped; RSS and
    live arrays before and after, and how many `Step` objects are still alive (weak refs).
+3. **For scale:** the same number of plain `jax.jit` functions of a fresh function (a
+   hand-written loop of the two steps), compiled, called twice and dropped.
 
 Writes `soak.md` and `soak.json` into `--out` (default benchmarks/results/).
 """
@@ -27,6 +29,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,8 +119,28 @@ def phase_steps(n_steps: int) -> dict[str, object]:
     }
 
 
+def phase_jit_functions(n_steps: int) -> dict[str, object]:
+    """The same as `phase_steps` with plain `jax.jit` of a fresh function each time: what
+    JAX itself keeps per compiled function, for scale."""
+    before = snapshot()
+    for i in range(n_steps):
+
+        def fresh(p, xs, w):
+            for x in xs:
+                p = p + x * w
+            return p
+
+        f = jax.jit(fresh)
+        w = jnp.full((64,), float(i))
+        p = f(jnp.zeros(64), jnp.ones((2, 64)), w)
+        p = f(p, jnp.ones((2, 64)), w)
+        jax.block_until_ready(p)
+        del f, w, p, fresh
+    return {"steps": n_steps, "before": before, "after": snapshot()}
+
+
 def render(result: dict[str, object]) -> str:
-    c, s = result["calls"], result["steps"]
+    c, s, j = result["calls"], result["steps"], result["jit"]
     lines = [
         "# Soak: memory and live arrays over a long run",
         "",
@@ -131,10 +154,15 @@ def render(result: dict[str, object]) -> str:
         f"{c['after_warmup']['live_arrays']} | {c['end']['live_arrays']} |",
         f"| {s['steps']:,} steps created, called twice, dropped | {s['before']['rss_mb']} | "
         f"{s['after']['rss_mb']} | {s['before']['live_arrays']} | {s['after']['live_arrays']} |",
+        f"| for scale: {j['steps']:,} plain `jax.jit` functions, called twice, dropped | "
+        f"{j['before']['rss_mb']} | {j['after']['rss_mb']} | {j['before']['live_arrays']} | "
+        f"{j['after']['live_arrays']} |",
         "",
         f"Calls phase: {c['seconds']} s, {c['traces']} trace(s), {c['fast_path']} fast-path "
         f"state intakes. Steps still alive after the steps phase: {s['steps_alive']} of "
         f"{s['steps']}.",
+        "",
+        f"Phases in this order: calls, {result['order']}.",
         "",
         "RSS along the calls phase (MB): " + ", ".join(f"{p['rss_mb']}" for p in c["curve"]),
     ]
@@ -146,8 +174,17 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100_000)
     parser.add_argument("--steps", type=int, default=1_000)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--jit-first", action="store_true", help="the jax.jit phase first")
     args = parser.parse_args()
-    result = {"calls": phase_calls(args.calls), "steps": phase_steps(args.steps)}
+    # RSS does not shrink when memory is freed: a later phase reuses what an earlier one
+    # freed. `--jit-first` runs the plain jax.jit phase before the steps phase.
+    result: dict[str, Any] = {"calls": phase_calls(args.calls)}
+    if args.jit_first:
+        result["jit"] = phase_jit_functions(args.steps)
+    result["steps"] = phase_steps(args.steps)
+    if not args.jit_first:
+        result["jit"] = phase_jit_functions(args.steps)
+    result["order"] = "jit first" if args.jit_first else "steps first"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     text = render(result)

@@ -56,6 +56,9 @@ class Case:
     outliers: float = 0.0  # with a bound in rtol/atol: the fraction of the state's elements
     # past the usual tolerance it allows (eqx_dcgan)
     slow_ks: tuple[int, ...] = ()  # marked slow (out of the default suite) at these k
+    # Upstream's loop reads the returned state between calls (`params["param0"][0]` into a
+    # history): the handle is rebuilt, so the next call flattens it again.
+    reads_state: bool = False
 
 
 KS = (1, 4)
@@ -137,7 +140,7 @@ CASES: dict[str, Case] = {
     "optax_lookahead_mnist": Case("optax + flax.nnx", "train_step", jax.jit),
     "optax_meta_learning": Case("optax", "outer_step", jax.jit),
     "optax_sam": Case("optax", None, jax.jit),
-    "optax_freezing_parameters": Case("optax", "train_step", jax.jit),
+    "optax_freezing_parameters": Case("optax", "train_step", jax.jit, reads_state=True),
 }
 
 
@@ -204,7 +207,9 @@ def _params() -> list[Any]:
 def test_corpus(name: str, k: int) -> None:
     case, mod = CASES[name], _module_of(name)
     steps: list[Any] = []
-    after_first: dict[int, int] = {}  # id(step) -> its flattens after its first call
+    # id(step) -> its flattens after its second call (a Flax NNX object's cache is made at
+    # the first call whose other state arguments are handles: the second)
+    warm: dict[int, int] = {}
 
     def decorate(fn: Callable[..., Any]) -> Any:
         step = autoflat.step(fn, num_steps=k)
@@ -213,7 +218,9 @@ def test_corpus(name: str, k: int) -> None:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
-            after_first.setdefault(id(step), autoflat.stats(step).flattens)
+            stats = autoflat.stats(step)
+            if stats.calls == 2:
+                warm[id(step)] = stats.flattens
             return out
 
         return call
@@ -224,9 +231,11 @@ def test_corpus(name: str, k: int) -> None:
     for step in steps:
         stats = autoflat.stats(step)
         assert stats.traces == 1, (autoflat.show(step), stats)
-        # The fast path is kept: after the first call, no state or broadcast tree is flattened
-        # again (upstream's loops pass the returned state back).
-        assert stats.flattens == after_first[id(step)], (autoflat.show(step), stats)
+        # The fast path is kept: once warm, no state or broadcast tree is flattened again
+        # (upstream's loops pass the returned state back), unless upstream's loop reads the
+        # state between calls (a handle it rebuilt is flattened again: it may have changed).
+        if stats.calls > 2 and not case.reads_state:
+            assert stats.flattens == warm[id(step)], (autoflat.show(step), stats)
 
 
 def test_cases_cover_issue_12() -> None:

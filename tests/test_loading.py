@@ -144,7 +144,9 @@ def test_method_decoration():
 
     m = Trainer(0.5).train(jnp.float32(0.0), jnp.ones(2, jnp.float32))
     assert float(m) == 1.0
-    assert "# self: broadcast (the method's instance)" in autoflat.show(Trainer.train)
+    assert "# self: broadcast (the method's instance; a new value of self.lr recompiles)" in (
+        autoflat.show(Trainer.train)
+    )
 
 
 def test_generated_lines_come_back_after_linecache_clearcache():
