@@ -20,6 +20,13 @@ At a step's first call (and again for arguments of other types) `infer` settles 
   is never taken for a scalar input). One candidate: state. Several: the parameter at the same
   position, else an error listing them with the `state=` that settles it. A parameter named in
   `state=` that no position matches is an error: never an old value carried unchanged.
+- **Two readings autoflat will not choose between** (with `num_steps > 1`): an argument the
+  body writes into whose arrays all have a leading axis of num_steps (a per-step batch changed
+  locally, or state?), and a per-step-looking container that a return position gives back one
+  step's slice of (state whose first axis happens to be num_steps?). Both are errors naming
+  `per_step=` and `state=`: guessed wrong, each trains silently wrong.
+- **Python numbers at `num_steps=1`** are traced, as `jax.jit` traces them; one the step needs
+  concrete (a layer size) fails the abstract evaluation and is made static instead.
 - **Python scalars in state that a step changes** (`TrainState.step`, counted up from a
   Python int) become arrays before the first call (`Inferred.to_array`), so the step compiles
   once, as under `jax.jit`; scalars a step gives back unchanged stay static.
