@@ -143,13 +143,15 @@ def _take_state(
     call.donated = []
     last = step._last
     hit = call.nnx_hit = step._nnx.lookup(program, args) if step._nnx.cache else None
+    written_back = {k for k, _ in program.written_back_idx}
     for k, i in enumerate(program.state_idx):
         a = args[i]
+        pack = _transport.mode_for(step.pack, k in written_back)
         if hit is not None and k in hit.variables:
             # The same Flax NNX object as last call, unchanged: no graph traversal, and its
             # arrays are the ones we wrote, so they are donated without a copy.
             arrays, placement = hit.arrays[k], hit.placements[k]
-            layout = _transport.host_layout(arrays, placement, step.pack)
+            layout = _transport.host_layout(arrays, placement, pack)
             if layout is not None:
                 arrays = _transport.pack_on_device(layout, arrays)
                 stats.copies += 1
@@ -192,7 +194,7 @@ def _take_state(
         placement = placement_of(arrays)
         unpacked[k] = arrays
         # One array is one buffer already, and comes back as itself: never packed.
-        layout = None if is_array(a) else _transport.host_layout(arrays, placement, step.pack)
+        layout = None if is_array(a) else _transport.host_layout(arrays, placement, pack)
         if layout is not None:
             # Packing makes fresh buffers: they may be donated without a copy.
             arrays = _transport.pack_on_device(layout, arrays)

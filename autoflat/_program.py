@@ -301,7 +301,9 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
     # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
     # call's input differ from this one's and compile the step again.
     arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
-    if repack and spec.pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
+    written_back = any(j == k for j, _ in spec.program.written_back_idx)
+    pack = _transport.mode_for(spec.pack, written_back)
+    if repack and pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
         # Back into buffers of the same layout (a new one if the structure changed).
         multi = (
             [s is not None for s in placement.shardings]
@@ -309,7 +311,7 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
             else [False] * len(arrays)
         )
         avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in arrays]
-        layout = _transport.layout_for(avals, multi, spec.pack)
+        layout = _transport.layout_for(avals, multi, pack)
         if layout is not None:
             return FlatState(flat.structure, _transport.pack(layout, arrays), layout)
     return FlatState(flat.structure, arrays)

@@ -10,10 +10,30 @@ back into leaves, and the updated leaves are written back into buffers of the sa
 
 Leaves whose sharding spans several devices are never packed: a packed buffer has one
 sharding. PRNG key arrays (extended dtypes) are never packed either.
+
+**Compile time.** XLA:CPU compiles every distinct fused kernel on its own (its fusion
+emitters take ~5-20 ms a kernel on a 2-core machine) and compiles identical fusions once. With
+one buffer per leaf, the update kernels of same-shaped leaves are identical, so a state of a
+thousand leaves compiles a handful of kernels. A leaf cut out of a packed buffer with a static
+slice carries its offset into every kernel that reads it, which makes each of those kernels
+distinct: that cost ~10 ms per packed leaf and grew to 124 s against 3.9 s at 3,000 leaves.
+So the program never names an offset inside a fused kernel:
+
+- *unpack*: each leaf is a `gather` of one window of the buffer whose start comes from a
+  small non-scalar constant of its own (`[[offset], [offset + 1]]`; only the first window is
+  used). XLA:CPU never fuses non-scalar constants into kernels, so the constant is a kernel
+  argument and the kernels of same-shaped leaves stay identical;
+- *repack*: one concatenate of hundreds of operands is compiled into one basic block of
+  copies, and LLVM's instruction scheduling is quadratic in its size; the leaves are
+  concatenated in runs of 16 to 31, then the runs (`_concatenate`).
+
+Neither changes which computations XLA fuses with which, so a packed step computes the same
+bits as one with a buffer per leaf.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -33,6 +53,22 @@ PackMode = Literal[False, True, "auto"]
 # 1.23x at 4,096, 1.57x at 16,384): past that, copying a leaf's bytes in and out of a packed
 # buffer costs more device time than its own buffer costs host time.
 AUTO_MAX_ELEMENTS = 512
+
+# Under `pack="auto"`, a dtype group of fewer leaves travels one buffer per leaf: a few buffers
+# saved are worth less than packing them (in the leaves sweep of the benchmark report, 10 and
+# 30 packed leaves were not faster than one buffer each), and every concatenate of the repack
+# then has more than 8 operands (see `_concatenate`).
+AUTO_MIN_LEAVES = 32
+
+
+# The repack's concatenate in runs (see `_concatenate`): XLA:CPU fuses a concatenate of at
+# most 8 operands (`kMaxConcatenateArguments` of its fusion pass); a run holds about this many
+# bytes of the copies that LLVM expands inline (copies of up to 256 bytes).
+_FUSED_RUN = 8
+_RUN_BYTES = 2048
+_INLINE_BYTES = 256
+# Offsets the unpack's gather indices (int32) can hold; a larger buffer is sliced statically.
+_MAX_GATHER_OFFSET = 2**31 - 2
 
 
 class Group:
@@ -99,7 +135,8 @@ def layout_for(
     - `avals`: (shape, dtype) of every array leaf, in order.
     - `multi_device`: per leaf, whether its sharding spans several devices (never packed).
     - `mode`: `True` packs every eligible leaf, `"auto"` only those of at most
-      `AUTO_MAX_ELEMENTS` elements, `False` none.
+      `AUTO_MAX_ELEMENTS` elements, in dtype groups of at least `AUTO_MIN_LEAVES`, `False`
+      none.
     """
     if not mode:
         return None
@@ -112,10 +149,11 @@ def layout_for(
             singles.append(i)
         else:
             by_dtype.setdefault(np.dtype(dtype), []).append(i)
-    # A group of one leaf saves nothing.
+    # A group of one leaf saves nothing; under "auto", a small group saves too little.
+    fewest = 2 if mode is True else AUTO_MIN_LEAVES
     groups = []
     for dtype, indices in by_dtype.items():
-        if len(indices) < 2:
+        if len(indices) < fewest:
             singles.extend(indices)
         else:
             groups.append((dtype, tuple(indices)))
@@ -140,12 +178,82 @@ def layout_for(
     return layout
 
 
-def pack(layout: Layout, arrays: Sequence[Any]) -> list[Any]:
-    """Leaves -> buffers (traceable)."""
+def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[Any]:
+    """Leaves -> buffers (traceable). `inputs`: the leaves are the program's own inputs (as
+    in `pack_on_device`), not computed by it."""
     out = [arrays[i] for i in layout.singles]
     for g in layout.groups:
-        out.append(jnp.concatenate([jnp.ravel(arrays[i]).astype(g.dtype) for i in g.indices]))
+        flat = []
+        for i in g.indices:
+            x = arrays[i]
+            if x.dtype != g.dtype:
+                x = jax.lax.convert_element_type(x, g.dtype)
+            flat.append(jax.lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
+        out.append(_concatenate(flat, inputs))
     return out
+
+
+def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
+    """`jnp.concatenate(parts)` of 1-D parts, compiled in time linear in the number of parts.
+
+    XLA:CPU compiles a concatenate of more than 8 operands into one kernel that copies each
+    operand with a `memcpy`, all in one basic block; LLVM expands small copies inline and its
+    instruction scheduling is quadratic in the size of a block (1,000 leaves of 8 floats took
+    about a second). So the parts are concatenated in runs of about `_RUN_BYTES` of such
+    copies, then the runs; each level is reshaped between 1-D and 2-D, else XLA merges nested
+    concatenates back into one. Every run keeps more than 8 parts: XLA fuses a smaller
+    concatenate with the computations that produce its operands, which changes how those
+    compile (and their last bits: packing stays bitwise equal to one buffer per leaf). Parts
+    that are the program's `inputs` (`pack_on_device`) are first concatenated 8 at a time:
+    those are fused kernels, which alike groups of 8 share."""
+    total = sum(p.shape[0] for p in parts)
+    if inputs and len(parts) > _FUSED_RUN:
+        parts = [
+            _reshaped(jax.lax.concatenate(parts[i : i + _FUSED_RUN], 0))
+            for i in range(0, len(parts), _FUSED_RUN)
+        ]
+    if len(parts) < 2 * (_FUSED_RUN + 1):
+        return jax.lax.reshape(jax.lax.concatenate(parts, 0), (total,))
+    runs: list[list[Any]] = [[]]
+    cost = 0
+    for p in parts:
+        if len(runs[-1]) > _FUSED_RUN and cost >= _RUN_BYTES:
+            runs.append([])
+            cost = 0
+        runs[-1].append(p)
+        nbytes = p.shape[0] * p.dtype.itemsize
+        cost += nbytes if nbytes <= _INLINE_BYTES else _INLINE_BYTES // 4
+    if len(runs[-1]) <= _FUSED_RUN:
+        last = runs.pop()
+        runs[-1].extend(last)
+    pieces = [_reshaped(jax.lax.concatenate(run, 0)) for run in runs]
+    return jax.lax.reshape(jax.lax.concatenate(pieces, 0), (total,))
+
+
+def _reshaped(x: Any) -> Any:
+    """(n,) -> (n, 1) and (n, 1) -> (n,)."""
+    return jax.lax.reshape(x, (x.shape[0],) if x.ndim == 2 else (x.shape[0], 1))
+
+
+_WINDOW = jax.lax.GatherDimensionNumbers(
+    offset_dims=(1,), collapsed_slice_dims=(), start_index_map=(0,)
+)
+
+
+def _take(buf: Any, offset: int, n: int, shape: tuple[int, ...], total: int) -> Any:
+    """`buf[offset : offset + n].reshape(shape)`, without the offset inside a kernel: a gather
+    of the window at `offset` and, unused, of a neighbouring one (a constant of two different
+    values is never folded into a kernel, where a scalar or a splat would be)."""
+    if n == 0:
+        return jnp.zeros(shape, buf.dtype)
+    if total > _MAX_GATHER_OFFSET:
+        return jax.lax.reshape(jax.lax.slice(buf, (offset,), (offset + n,)), shape)
+    other = offset + 1 if offset + n < total else max(offset - 1, 0)
+    starts = np.array([[offset], [other]], dtype=np.int32)
+    windows = jax.lax.gather(
+        buf, starts, _WINDOW, slice_sizes=(n,), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+    )
+    return jax.lax.reshape(jax.lax.slice(windows, (0, 0), (1, n)), shape)
 
 
 def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
@@ -155,11 +263,11 @@ def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
         arrays[i] = b
     for g, buf in zip(layout.groups, buffers[len(layout.singles) :], strict=True):
         for i, off, n, shape in zip(g.indices, g.offsets, g.sizes, g.shapes, strict=True):
-            arrays[i] = jax.lax.slice(buf, (off,), (off + n,)).reshape(shape)
+            arrays[i] = _take(buf, off, n, shape, g.total)
     return arrays
 
 
-_pack_jit = jax.jit(pack, static_argnums=0)
+_pack_jit = jax.jit(functools.partial(pack, inputs=True), static_argnums=0)
 _unpack_jit = jax.jit(unpack, static_argnums=0)
 
 
@@ -172,6 +280,15 @@ def pack_on_device(layout: Layout, arrays: Sequence[Any]) -> list[Any]:
 def unpack_on_device(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
     """Unpack for a rebuild outside a trace: one device call."""
     return list(_unpack_jit(layout, list(buffers)))
+
+
+def mode_for(mode: PackMode, written_back: bool) -> PackMode:
+    """The mode for one state argument. Under `"auto"`, state that is written back into the
+    caller's objects after each call (Flax NNX mutation style) travels one buffer per leaf:
+    those objects hold one array per leaf, so packing would cost a device call to pack their
+    arrays and another to unpack the results on every call (2-3x slower per step on the NNX
+    ResNet of the zoo)."""
+    return False if mode == "auto" and written_back else mode
 
 
 def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout | None:

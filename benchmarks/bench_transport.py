@@ -2,6 +2,7 @@
 
     python benchmarks/bench_transport.py [--quick] [--json PATH] [--models abc] [--repeats N]
     python benchmarks/bench_transport.py --sweep   # the leaf-size sweep behind pack="auto"
+    python benchmarks/bench_transport.py --compile [--leaves 300,1000,3000] [--legacy]
 
 For three models, each trained with optax.adam by `@autoflat.step(num_steps=k, pack=...)`
 for k in 1 and 10 and pack in False (one buffer per leaf), True (every small-enough-to-pack
@@ -31,6 +32,14 @@ autoflat's own work plus freeing the previous call's arrays, which the step's ti
 Every figure is timed the way of `harness.py`: round-robin blocks over the three transports
 of a (model, k), each continuing from its own state; the host time per call is measured after
 each block on a quarter as many calls (at least 3), the device idle before each.
+
+`--compile` times first calls (trace, compile and one step, from a fresh step after
+`jax.clear_caches()` and `autoflat.clear_caches()`) of two states of many small leaves, for
+each number of leaves and each transport, round-robin over the transports, medians of the
+repeats: "sweep", N arrays of 8 f32 each updated by `x * 0.99 + g` (the report's leaves
+section), and "adam", N/3 arrays of 64 f32 trained with `optax.adam` (N state arrays with
+its moments). `--legacy` adds the packed transport before the compile-time fix (static
+slices in, one concatenate out) at up to 1,000 leaves.
 """
 
 from __future__ import annotations
@@ -222,6 +231,94 @@ def run_sweep(sizes: list[int], repeats: int, quick: bool) -> list[dict[str, Any
     return rows
 
 
+def compile_case(kind: str, n_leaves: int) -> tuple[Any, tuple[Any, ...], Any]:
+    """(update, first call's state, its per-step argument) with `n_leaves` state arrays."""
+    if kind == "sweep":
+
+        def sweep_update(state: list[jax.Array], g: jax.Array) -> list[jax.Array]:
+            state = [x * 0.99 + g for x in state]
+            return state
+
+        state = [jnp.arange(8, dtype=jnp.float32) / 8 + i for i in range(n_leaves)]
+        return sweep_update, (state,), jnp.float32(0.5)
+    keys = jax.random.split(jax.random.key(0), n_leaves // 3)
+    params = [jax.random.normal(k, (64,)) * 0.01 for k in keys]
+
+    def loss(params: list[jax.Array], batch: jax.Array) -> jax.Array:
+        return sum(jnp.mean(jnp.tanh(batch * p)) for p in params)  # type: ignore[return-value]
+
+    update = models.make_update(loss)
+    return update, (params, models.tx.init(params)), jnp.ones((8, 64))
+
+
+class _Legacy:
+    """The packed transport before the compile-time fix: static slices in, one concatenate
+    out (while active, for comparison only)."""
+
+    def __enter__(self) -> None:
+        from autoflat import _transport
+
+        self.saved = _transport._take, _transport._concatenate
+        _transport._take = lambda buf, off, n, shape, total: jax.lax.slice(
+            buf, (off,), (off + n,)
+        ).reshape(shape)
+        _transport._concatenate = lambda parts, inputs=False: jnp.concatenate(parts)
+
+    def __exit__(self, *exc: Any) -> None:
+        from autoflat import _transport
+
+        _transport._take, _transport._concatenate = self.saved
+
+
+def run_compile(sizes: list[int], repeats: int, legacy: bool) -> list[dict[str, Any]]:
+    """First-call seconds per (case, leaves, transport), round-robin, medians."""
+    import contextlib
+    import gc
+
+    modes: list[tuple[str, Any]] = [("False", False), ("auto", "auto"), ("True", True)]
+    rows = []
+    for kind in ("sweep", "adam"):
+        for n in sizes:
+            update, state, arg = compile_case(kind, n)
+            todo = modes + ([("legacy True", True)] if legacy and n <= 1000 else [])
+            times: dict[str, list[float]] = {name: [] for name, _ in todo}
+            layouts: dict[str, str] = {}
+            for _, order in harness.rotations(todo, repeats):
+                for name, pack in order:
+                    jax.clear_caches()
+                    autoflat.clear_caches()
+                    gc.collect()
+                    with _Legacy() if name.startswith("legacy") else contextlib.nullcontext():
+                        step = autoflat.step(update, pack=pack)
+                        fresh = harness.fresh(state)
+                        t0 = perf()
+                        out = step(*fresh, arg)
+                        jax.block_until_ready(harness.device_buffers(out))
+                        times[name].append(perf() - t0)
+                    layouts[name] = str(getattr(out[0], "_af_layout", None))
+            flat = float(np.median(times["False"]))
+            for name, ts in times.items():
+                med = float(np.median(ts))
+                rows.append(
+                    {
+                        "case": kind,
+                        "leaves": len(jax.tree.leaves(state)),
+                        "pack": name,
+                        "first_call_s": med,
+                        "min_s": min(ts),
+                        "max_s": max(ts),
+                        "vs_flat": med / flat,
+                        "layout": layouts[name],
+                        "repeats_s": ts,
+                    }
+                )
+                harness.log(
+                    f"  {kind:5s} {rows[-1]['leaves']:>5} leaves  pack={name:<11s} first call "
+                    f"{med:7.2f} s ({min(ts):.2f}-{max(ts):.2f})  x flat {med / flat:5.2f}"
+                )
+    return rows
+
+
 def main() -> None:
     ap = harness.parser(__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -231,12 +328,25 @@ def main() -> None:
         action="store_true",
         help="only the leaf-size sweep behind pack='auto''s threshold",
     )
+    ap.add_argument("--compile", action="store_true", help="only first-call (compile) times")
+    ap.add_argument("--leaves", default="300,1000,3000", help="--compile: numbers of leaves")
+    ap.add_argument("--legacy", action="store_true", help="--compile: the transport before")
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     harness.log("\n".join(harness.environment_lines(harness.machine(), harness.versions())))
     auto_max = harness.PRIVATE.auto_max_elements()
     harness.log(f"pack='auto' packs leaves of at most {auto_max} elements")
-    if args.sweep:
+    if args.compile:
+        sizes = [int(x) for x in args.leaves.split(",")]
+        rows = run_compile(sizes, args.repeats or 3, args.legacy)
+        header = ["case", "leaves", "pack", "first call s (median)", "spread", "× flat"]
+        body = [
+            [r["case"], str(r["leaves"]), r["pack"], f"{r['first_call_s']:.2f}"]
+            + [f"{r['min_s']:.2f}–{r['max_s']:.2f}", f"{r['vs_flat']:.2f}"]
+            for r in rows
+        ]
+        print("", *harness.table(header, "lrlrrr", body), sep="\n")
+    elif args.sweep:
         sizes = [128, 256, 512, 1_024, 2_048, 4_096, 16_384]
         harness.log("leaf-size sweep: 48 leaves of each size with Adam (144 arrays), num_steps=1")
         rows = run_sweep(sizes, repeats, args.quick)
