@@ -294,7 +294,8 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
         return landed[0]
     except BaseException as e:
-        if not landed:  # the program did not run: nothing donated
+        if not landed:  # the program did not run: nothing donated, nothing to recover
+            step._in_flight = None
             for h in claimed:
                 object.__setattr__(h, "_af_consumed_by", 0)
         if not isinstance(e, Exception):
