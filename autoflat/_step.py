@@ -79,7 +79,7 @@ class Step:
         donate: bool | Literal["always"] = True,
         unroll: int | bool = 1,
         lazy: bool = True,
-        pack: PackMode = "auto",
+        pack: PackMode = False,
     ) -> None:
         if isinstance(fn, (staticmethod, classmethod)):
             # `@autoflat.step` above `@staticmethod`: the binding would go wrong later.
