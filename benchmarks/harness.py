@@ -309,16 +309,24 @@ class Method:
 def autoflat_method(
     key: str, step_fn: Callable[..., Any], state: Callable[[], Any], suffix: str = ""
 ) -> Method:
-    """`autoflat_..._{k}[_nodonate][_pack]`: `autoflat.step` of `step_fn` with those
-    options, from `state()`; the returned handles are passed back."""
+    """`autoflat_..._{k}[_nodonate][_pack|_auto]`: `autoflat.step` of `step_fn` with those
+    options, from `state()`; the returned handles are passed back. The transport is always
+    explicit (`pack=False` without a suffix), so rows mean the same whatever the default."""
     k = int(next(part for part in key.split("_") if part.isdigit()))
     options: dict[str, Any] = {"num_steps": k, "donate": "_nodonate" not in key}
-    options |= {"pack": True} if key.endswith("_pack") else {}
-    shown = ", ".join(f"{o}={v}" for o, v in options.items() if (o, v) != ("donate", True))
+    options["pack"] = True if key.endswith("_pack") else "auto" if key.endswith("_auto") else False
+    shown = ", ".join(
+        f"{o}={v!r}" for o, v in options.items() if (o, v) not in (("donate", True), ("pack", False))
+    )
     note = (
-        f"autoflat.step({shown})({step_fn.__name__}); returned handles passed back"
+        f"autoflat.step({', '.join(f'{o}={v!r}' for o, v in options.items())})"
+        f"({step_fn.__name__}); returned handles passed back"
         + (f"; inputs with a leading axis of {k}" if k > 1 else "")
-        + ("; state leaves packed into one buffer per dtype" if "pack" in options else "")
+        + {
+            True: "; state leaves packed into one buffer per dtype",
+            "auto": "; small state leaves packed per dtype (the default rule)",
+            False: "; one buffer per state leaf",
+        }[options["pack"]]
     )
     plan = lambda: Plan(lambda: autoflat.step(step_fn, **options), state())  # noqa: E731
     return Method(key, f"autoflat {shown}{suffix}", plan, steps_per_call=k, note=note)

@@ -97,7 +97,8 @@ for _name, _value in (("jax_enable_compilation_cache", False), ("jax_compilation
 SWEEP_LEAVES = (10, 30, 100, 300, 1000, 3000)
 EQX_KEYS = (
     "jit jit_donate filter_jit eqx_recipe hand_flat single_buffer autoflat_1 "
-    "autoflat_1_nodonate autoflat_1_pack autoflat_10 autoflat_100 compute"
+    "autoflat_1_nodonate autoflat_1_pack autoflat_1_auto autoflat_10 autoflat_10_auto "
+    "autoflat_100 compute"
 ).split()
 NNX_KEYS = (
     "nnx_jit nnx_jit_tree cached_partial jit_partial split_merge autoflat_mut_1 "
@@ -122,7 +123,7 @@ def passthrough(model, opt_state, batch):
 def _autoflat_loops(s: models.Setup) -> dict[str, Callable[[int], float]]:
     """Section 1's autoflat rows, from real handles of a trivial-body step's real calls."""
     private = harness.PRIVATE
-    step = autoflat.step(passthrough)
+    step = autoflat.step(passthrough, pack=False)
     m_h, o_h, _ = step(*s.fresh(), *s.args)
     m_h, o_h, _ = step(m_h, o_h, *s.args)
     if not (autoflat.is_handle(m_h) and autoflat.is_handle(o_h)):
@@ -304,10 +305,10 @@ def sweep_methods(n_leaves: int, pack: bool) -> list[Method]:
     kinds: dict[str, tuple[str, Callable[[], Any], int]] = {
         "jit": ("jax.jit", lambda: jax.jit(sweep_update), 1),
         "jit_donate": ("jax.jit + donate", lambda: jax.jit(sweep_update, donate_argnums=0), 1),
-        "autoflat_1": ("autoflat num_steps=1", lambda: autoflat.step(sweep_update), 1),
+        "autoflat_1": ("autoflat num_steps=1", lambda: autoflat.step(sweep_update, pack=False), 1),
         "autoflat_10": (
             "autoflat num_steps=10",
-            lambda: autoflat.step(sweep_update, num_steps=10),
+            lambda: autoflat.step(sweep_update, num_steps=10, pack=False),
             10,
         ),
         "autoflat_1_pack": (
