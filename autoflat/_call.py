@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from . import _loading, _nnx, _transport, _writeback
 from ._errors import BAD_CALL, NOT_AN_ARRAY, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
-from ._program import CallSpec, Program, calls_back, instance_attributes
+from ._program import CallSpec, Program, calls_back, instance_attributes, relinked
 from ._structure import (
     FlatState,
     Placement,
@@ -63,6 +63,8 @@ class Call:
         "donated",
         "nnx_hit",
         "nnx_vars",
+        "links",
+        "copies",
     )
 
     args: tuple[Any, ...]  # in parameter order
@@ -74,6 +76,8 @@ class Call:
     donated: list[LazyHandle]  # handles whose buffers a donating launch consumes
     nnx_hit: _nnx.NnxCache | None  # the Flax NNX cache, when this call's objects hit it
     nnx_vars: dict[int, list[Any]]  # per state position, the Flax NNX Variables to write
+    links: tuple[_nnx.Link | None, ...] | None  # Flax NNX Variables shared between state
+    copies: list[int]  # state positions holding the caller's own buffers (copied if donated)
 
     def inputs(self) -> tuple[Any, ...]:
         """The arguments of the compiled program, after the static spec."""
@@ -124,7 +128,14 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     static = tuple(args[i] for i in program.static_idx)
     if program.instance_attrs:
         static += instance_attributes(program, args)
-    call.spec = step._specs.get(program, structures, placements, layouts, bcast_structures, static)
+    call.spec = step._specs.get(
+        program, structures, placements, layouts, call.links, bcast_structures, static
+    )
+    if call.copies and (step.donate == "always" or not call.spec.keeps_inputs):
+        # The caller's own arrays are never donated: a donating launch gets copies.
+        for k in call.copies:
+            leaves[k] = copy_leaves(leaves[k])
+        step._diag.stats.copies += len(call.copies)
     call.leaves = tuple(leaves)
     call.xs = tuple(args[i] for i in program.scanned_idx)
     return call
@@ -140,6 +151,7 @@ def _take_state(
     placements: list[Placement | None] = []
     layouts: list[Layout | None] = []
     unpacked: dict[int, list[Any]] = {}  # the caller's own leaves, for Flax NNX write-back
+    copies = call.copies = []  # state positions holding the caller's own buffers
     call.donated = []
     last = step._last
     hit = call.nnx_hit = step._nnx.lookup(program, args) if step._nnx.cache else None
@@ -151,7 +163,8 @@ def _take_state(
             # The same Flax NNX object as last call, unchanged: no graph traversal, and its
             # arrays are the ones we wrote, so they are donated without a copy.
             arrays, placement = hit.arrays[k], hit.placements[k]
-            layout = _transport.host_layout(arrays, placement, pack)
+            linked = hit.links is not None and hit.links[k] is not None
+            layout = None if linked else _transport.host_layout(arrays, placement, pack)
             if layout is not None:
                 arrays = _transport.pack_on_device(layout, arrays)
                 stats.copies += 1
@@ -200,8 +213,7 @@ def _take_state(
             arrays = _transport.pack_on_device(layout, arrays)
             stats.copies += 1
         elif step.donate and arrays and not _writeback.all_ours(arrays, a):
-            arrays = copy_leaves(arrays)
-            stats.copies += 1
+            copies.append(k)  # once the spec says whether the launch donates
         elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
             # Not copied, but a weakly typed leaf would still compile the step twice (its
             # output comes back strongly typed): only those leaves are converted.
@@ -211,11 +223,14 @@ def _take_state(
         placements.append(placement)
         layouts.append(layout)
     if hit is not None:
-        call.nnx_vars = hit.variables
+        call.nnx_vars, call.links = hit.variables, hit.links
     elif step._may_mutate:
         call.nnx_vars = _nnx.variables_of(program, args, unpacked, step._analysis)
+        call.links = _nnx.links_of(program, call.nnx_vars)
     else:
-        call.nnx_vars = {}
+        call.nnx_vars, call.links = {}, None
+    if call.links is not None:
+        _share(step, call, leaves, layouts, unpacked)
     donated = call.donated
     if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
         # The same handle twice: donating its buffers twice would fail. Copy the repeats.
@@ -234,6 +249,30 @@ def _take_state(
                 if type(args[i]) is LazyHandle and id(args[i]) in others:
                     leaves[k] = copy_leaves(leaves[k])
     return structures, leaves, placements, layouts
+
+
+def _share(
+    step: Any,
+    call: Call,
+    leaves: list[list[Any]],
+    layouts: list[Layout | None],
+    unpacked: dict[int, list[Any]],
+) -> None:
+    """State that shares Flax NNX Variables with other state travels one buffer per leaf, and
+    a shared leaf crosses once, with the first argument reaching it (`_nnx.Link`)."""
+    assert call.links is not None
+    for k, link in enumerate(call.links):
+        if link is None:
+            continue
+        if layouts[k] is not None:  # packed by `pack=True` before the sharing was known
+            layouts[k] = None
+            leaves[k] = unpacked[k]
+            if step.donate and not _writeback.all_ours(
+                leaves[k], call.args[call.program.state_idx[k]]
+            ):
+                call.copies.append(k)
+        if link.imports:
+            leaves[k] = link.drop(leaves[k])
 
 
 def _with_arrays(value: Any, indices: tuple[int, ...]) -> tuple[Structure, list[Any]]:
@@ -358,24 +397,41 @@ def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
 
 
 def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
-    """The step's `jax.jit` that runs `spec`: donating, unless the program may fail at run
-    time (decided at its first trace, which the jit then reuses) and the step did not ask for
-    `donate="always"`."""
+    """The step's `jax.jit` that runs `spec`: donating, unless (decided at its first trace,
+    which the jit then reuses) the program may fail at run time, or a state output cannot
+    reuse its input's buffers, and the step did not ask for `donate="always"`."""
     if step.donate is not True:
         return step._jit
-    if spec.may_fail is None:
-        spec.may_fail = calls_back(step._jit.trace(spec, *inputs).jaxpr)
-    return step._jit_keep if spec.may_fail else step._jit
+    if spec.keeps_inputs is None:
+        traced = step._jit.trace(spec, *inputs)
+        spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(inputs[0], traced)
+    return step._jit_keep if spec.keeps_inputs else step._jit
+
+
+def _reshapes_state(state_in: tuple[list[Any], ...], traced: Any) -> bool:
+    """Whether a state output differs from its input in shapes or dtypes (at `num_steps=1`,
+    a parameter returned by name that the step rebinds: `x = f(x); return model, x`). Its
+    donated buffers could not hold the output: JAX would warn and the copy made for the
+    donation would be wasted, so such a program runs without donation."""
+    state_out = traced.out_info[0]
+    for arrays, flat in zip(state_in, state_out, strict=True):
+        if len(arrays) != len(flat.arrays) or any(
+            (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype)
+            for a, b in zip(arrays, flat.arrays, strict=True)
+        ):
+            return True
+    return False
 
 
 def donates(step: Any, spec: CallSpec) -> bool:
     """Whether a launch of `spec` donated the state it was given."""
-    return step.donate == "always" or (step.donate is True and not spec.may_fail)
+    return step.donate == "always" or (step.donate is True and not spec.keeps_inputs)
 
 
 def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any) -> Any:
     """After the launch: consume, wrap, write back; the step's result in the user's order."""
     program, spec, args = call.program, call.spec, call.args
+    state_out = relinked(spec, state_out)
     if not donates(step, spec):
         for h in call.donated:  # claimed by `launch`, not donated after all
             object.__setattr__(h, "_af_consumed_by", 0)
@@ -398,7 +454,14 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
             _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]), args[i])
     if hit is not None or nnx_vars:
         step._nnx.remember(
-            program, args, nnx_vars, written, list(spec.structures), list(spec.placements), hit
+            program,
+            args,
+            nnx_vars,
+            written,
+            list(spec.structures),
+            list(spec.placements),
+            spec.links,
+            hit,
         )
     if not step.lazy:
         last = step._last

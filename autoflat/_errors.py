@@ -254,14 +254,14 @@ updated value back into the caller's object, but the part at `{path}` is immutab
 """
 
 SHARED_VARIABLE = """\
-`{name}` ({where}): the same nnx.Variable is reachable as `{first}` and as `{second}` (a shared \
-submodule, tied weights, or one object passed twice). autoflat moves Flax NNX objects across \
-`jax.jit` as pytrees, which would split it into two copies that are updated apart.
+`{name}` ({where}): the same nnx.Variable is reachable as `{first}` and as `{second}`, and \
+not every argument reaching it is a Flax NNX object that the step updates in place. autoflat \
+moves a returned object (or a container other than an NNX object) across `jax.jit` as a \
+pytree, which would split the Variable into two copies that are updated apart.
 
-Reach each Variable once: pass the shared submodule from one place only (for example the
-model, and not also a second argument holding the same layer), or tie weights by reusing the
-module's parameter in `__call__` rather than storing the module twice. `nnx.jit` in graph
-mode handles shared references, at a higher cost per call.
+Shared Variables work between NNX objects that the step mutates and does not return (an
+optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
+`nnx.jit`: return neither object, or reach each Variable from one argument only.
 """
 
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"

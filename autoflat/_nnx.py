@@ -166,6 +166,7 @@ class NnxCache:
         arrays: dict[int, list[Any]],
         structures: dict[int, Any],
         placements: dict[int, Any],
+        links: tuple[Link | None, ...] | None,
         is_variable: Callable[[Any], bool],
         on_lost: Callable[[], None],
     ) -> None:
@@ -174,6 +175,7 @@ class NnxCache:
         self.arrays = arrays
         self.structures = structures
         self.placements = placements
+        self.links = links
         self._ids: frozenset[int] | None = None
         refs: dict[int, Callable[[], Any]] = {}
         for k, obj in objects.items():
@@ -272,6 +274,7 @@ class NnxState:
         written: dict[int, list[Any]],
         structures: list[Any],
         placements: list[Any],
+        links: tuple[Link | None, ...] | None,
         hit: NnxCache | None,
     ) -> None:
         """After a call: keep (or refresh) the fast-path cache, or drop it."""
@@ -313,10 +316,80 @@ class NnxState:
             {k: written[k] for k in objects},
             {k: structures[k] for k in objects},
             {k: placements[k] for k in objects},
+            links,
             lambda x: isinstance(x, nnx.Variable) or is_array(x),
             lost,
         )
         self.cache = new
+
+
+class Link:
+    """How one Flax NNX state argument shares Variables with others (or within itself), for
+    one call spec: `imports` are `(j, k0, j0)`, leaf `j` of this argument being the Variable
+    at leaf `j0` of argument `k0` (`k0` earlier, or this argument with `j0 < j`); `exports`
+    says a later argument imports from this one. Part of the spec: equal by value.
+
+    Shared leaves cross the `jax.jit` boundary once (an importing argument's buffers leave
+    them out both ways, so no buffer is donated twice); inside the trace, `relink` makes the
+    importing object hold the very Variable objects of the exporting one, so an update
+    through either reaches both, as `nnx.jit` keeps shared references."""
+
+    __slots__ = ("k", "imports", "exports", "dropped")
+
+    def __init__(self, k: int, imports: tuple[tuple[int, int, int], ...], exports: bool) -> None:
+        self.k = k
+        self.imports = imports
+        self.exports = exports
+        self.dropped = frozenset(j for j, _k0, _j0 in imports)
+
+    def _key(self) -> Any:
+        return (self.k, self.imports, self.exports)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Link and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"Link({self.k}, imports={self.imports}, exports={self.exports})"
+
+    def drop(self, arrays: list[Any]) -> list[Any]:
+        """The buffers that cross the boundary: the shared ones left out."""
+        dropped = self.dropped
+        return [a for j, a in enumerate(arrays) if j not in dropped]
+
+    def expand(self, arrays: list[Any], earlier: list[list[Any]]) -> list[Any]:
+        """The full leaf list again: each shared leaf taken from where it lives (`earlier`
+        holds the full lists of the arguments before this one)."""
+        out = list(arrays)
+        for j, k0, j0 in self.imports:  # in increasing `j`: `out[:j]` is complete
+            out.insert(j, out[j0] if k0 == self.k else earlier[k0][j0])
+        return out
+
+
+def links_of(program: Any, variables: dict[int, list[Any]]) -> tuple[Link | None, ...] | None:
+    """Per state position, how it shares Variables (None where it does not), or None when no
+    Variable is reachable twice. Sharing is supported between Flax NNX objects written back
+    into the caller's objects whose Variables line up with their leaves (`variables_of`);
+    elsewhere it raises (a returned object would come back as two copies)."""
+    first: dict[int, tuple[int, int]] = {}
+    imports: dict[int, list[tuple[int, int, int]]] = {}
+    exporters: set[int] = set()
+    for k, vs in variables.items():
+        for j, v in enumerate(vs):
+            seen = first.setdefault(id(v), (k, j))
+            if seen != (k, j):
+                imports.setdefault(k, []).append((j, *seen))
+                exporters.add(seen[0])
+    if not imports:
+        return None
+    return tuple(
+        Link(k, tuple(imports.get(k, ())), k in exporters)
+        if k in imports or k in exporters
+        else None
+        for k in range(len(program.state_idx))
+    )
 
 
 def variables_of(
@@ -324,33 +397,70 @@ def variables_of(
 ) -> dict[int, list[Any]]:
     """The nnx.Variables of each Flax NNX state argument, in leaf order.
 
-    Refuses a Variable reachable twice (a shared submodule, tied weights, or one object passed
-    as two arguments): NNX objects travel as pytrees, which would split it into two copies
-    updated apart. Returns, per state position, the Variables when they line up one to one
-    with that argument's array leaves, for a direct write-back after the call.
+    Returns, per state position, the Variables when they line up one to one with that
+    argument's array leaves, for a direct write-back after the call. A Variable reachable
+    twice (a shared submodule, tied weights, an optimizer holding the model's Variables, one
+    object passed as two arguments) is allowed only where every object reaching it is
+    written back and lines up (`links_of` then says how they share); anywhere else it is an
+    error: NNX objects travel as pytrees, which would split it into two copies updated apart.
     """
     from flax import nnx
 
     def is_variable(x: Any) -> bool:
         return isinstance(x, nnx.Variable)
 
-    seen: set[int] = set()
+    written_back = {k for k, _ in program.written_back_idx}
+    owner: dict[int, int] = {}  # id(Variable) -> the first state position reaching it
+    lined_up: set[int] = set()
+    shared: list[Any] = []
     out: dict[int, list[Any]] = {}
     for k, i in enumerate(program.state_idx):
         a = args[i]
         if type(a) is LazyHandle or k not in leaves or not is_mutable_module(a):
             continue  # handles are returned state, never written back
-        variables = [v for v in jax.tree_util.tree_leaves(a, is_leaf=is_variable) if is_variable(v)]
+        outer = jax.tree_util.tree_leaves(a, is_leaf=is_variable)
+        variables = [v for v in outer if is_variable(v)]
+        seen_here: set[int] = set()
         for v in variables:
-            if id(v) in seen:
-                raise _shared(program, args, v, analysis)
-            seen.add(id(v))
+            if id(v) in owner or id(v) in seen_here:
+                shared.append(v)
+            seen_here.add(id(v))
+            owner.setdefault(id(v), k)
         arrays = leaves[k]
         if len(variables) == len(arrays) and all(
             np.shape(get_raw(v)) == np.shape(x) for v, x in zip(variables, arrays, strict=True)
         ):
             out[k] = variables
+            if k in written_back and len(outer) == len(variables):
+                lined_up.add(k)
+    if shared:
+        ids = {id(v) for v in shared}
+        for k, i in enumerate(program.state_idx):
+            a = args[i]
+            if k in lined_up or type(a) is LazyHandle:
+                continue  # a handle's objects are built from its own buffers: never shared
+            reached = jax.tree_util.tree_leaves(a, is_leaf=is_variable)
+            if any(id(v) in ids for v in reached):
+                raise _shared(program, args, shared[0], analysis)
     return out
+
+
+def relink(link: Link, obj: Any, scope: dict[int, list[Any]]) -> Any:
+    """Inside the trace: `obj` (just unflattened, with Variables of its own) holding, at each
+    imported leaf, the Variable object that `scope` recorded for the exporting argument; an
+    exporting argument's Variables are recorded in `scope`."""
+    from flax import nnx
+
+    variables, outer = jax.tree_util.tree_flatten(
+        obj, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if link.imports:
+        for j, k0, j0 in link.imports:
+            variables[j] = variables[j0] if k0 == link.k else scope[k0][j0]
+        obj = jax.tree_util.tree_unflatten(outer, variables)
+    if link.exports:
+        scope[link.k] = variables
+    return obj
 
 
 def _shared(program: Any, args: tuple[Any, ...], var: Any, analysis: Any) -> Exception:

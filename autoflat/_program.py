@@ -28,9 +28,10 @@ from ._codegen import GeneratedCode, generate
 from ._errors import UNHASHABLE_STATIC, CallError, Location, error
 from ._handles import LazyHandle
 from ._infer import arg_kinds, infer
+from ._nnx import Link
 from ._roles import Options, Roles, assign_roles
 from ._structure import FlatState, Placement, Structure, is_array
-from ._tracing import HELPERS
+from ._tracing import HELPERS, linking
 from ._transport import Layout, PackMode
 
 
@@ -163,13 +164,14 @@ class CallSpec:
         "structures",
         "placements",
         "layouts",
+        "links",
         "bcast_structures",
         "static",
         "num_steps",
         "unroll",
         "pack",
         "fn",
-        "may_fail",
+        "keeps_inputs",
         "__weakref__",
     )
 
@@ -179,6 +181,7 @@ class CallSpec:
         structures: tuple[Structure, ...],
         placements: tuple[Placement | None, ...],
         layouts: tuple[Layout | None, ...],
+        links: tuple[Link | None, ...] | None,
         bcast_structures: tuple[Structure, ...],
         static: dict[str, Any],
         num_steps: int,
@@ -190,14 +193,17 @@ class CallSpec:
         self.structures = structures
         self.placements = placements
         self.layouts = layouts
+        self.links = links  # Flax NNX Variables shared between state arguments (`_nnx.Link`)
         self.bcast_structures = bcast_structures
         self.static = static
         self.num_steps = num_steps
         self.unroll = unroll
         self.pack = pack
         self.fn = Location(fn.name, fn.where)  # the step's name and location, for messages
-        # Whether the program calls back to the host (set at its first trace; see `calls_back`).
-        self.may_fail: bool | None = None
+        # Whether it runs without donation (set at its first trace; see `_call.runner`): the
+        # program calls back to the host (`calls_back`: it can fail after its inputs are
+        # gone), or a state output cannot reuse its input's buffers.
+        self.keeps_inputs: bool | None = None
 
     @property
     def program(self) -> Program:
@@ -228,10 +234,11 @@ class SpecCache:
         structures: list[Structure],
         placements: list[Placement | None],
         layouts: list[Layout | None],
+        links: tuple[Link | None, ...] | None,
         bcast_structures: list[Structure],
         static: tuple[Any, ...],
     ) -> CallSpec:
-        key = (program, *structures, *placements, *layouts, *bcast_structures, *static)
+        key = (program, *structures, *placements, *layouts, links, *bcast_structures, *static)
         try:
             spec = self._specs.get(key)
         except TypeError:
@@ -242,6 +249,7 @@ class SpecCache:
                 tuple(structures),
                 tuple(placements),
                 tuple(layouts),
+                links,
                 tuple(bcast_structures),
                 dict(zip(program.static_names, static, strict=True)),
                 self._num_steps,
@@ -283,9 +291,45 @@ def entry(
         FlatState(s, a if layout is None else _transport.unpack(layout, a))
         for s, a, layout in zip(spec.structures, state_leaves, spec.layouts, strict=True)
     )
+    if spec.links is not None:
+        state = _linked(spec.links, state)
     bcast = tuple(FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True))
-    state_out, outputs = spec.program.fn(spec, state, xs, bcast)
-    return tuple(_leaving(spec, k, flat, repack) for k, flat in enumerate(state_out)), outputs
+    with linking():
+        state_out, outputs = spec.program.fn(spec, state, xs, bcast)
+    leaving = tuple(_leaving(spec, k, flat, repack) for k, flat in enumerate(state_out))
+    if spec.links is not None:
+        # A shared Variable's new value leaves once, with the argument it came in with.
+        leaving = tuple(
+            flat if link is None else FlatState(flat.structure, link.drop(flat.arrays))
+            for flat, link in zip(leaving, spec.links, strict=True)
+        )
+    return leaving, outputs
+
+
+def _linked(links: tuple[Link | None, ...], state: tuple[FlatState, ...]) -> tuple[FlatState, ...]:
+    """The state with the leaves it shares filled in and its links set (see `_nnx.Link`)."""
+    full: list[list[Any]] = []
+    out = []
+    for flat, link in zip(state, links, strict=True):
+        arrays = flat.arrays if link is None else link.expand(flat.arrays, full)
+        full.append(arrays)
+        out.append(FlatState(flat.structure, arrays, None, link))
+    return tuple(out)
+
+
+def relinked(spec: CallSpec, state_out: tuple[FlatState, ...]) -> tuple[FlatState, ...]:
+    """A launch's state outputs with the shared leaves filled in again (the host side of
+    `entry`'s `link.drop`)."""
+    if spec.links is None:
+        return state_out
+    full: list[list[Any]] = []
+    out = []
+    for flat, link in zip(state_out, spec.links, strict=True):
+        if link is not None and link.imports:
+            flat = FlatState(flat.structure, link.expand(flat.arrays, full))
+        full.append(flat.arrays)
+        out.append(flat)
+    return tuple(out)
 
 
 def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState:
@@ -302,7 +346,8 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
     # call's input differ from this one's and compile the step again.
     arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
     written_back = any(j == k for j, _ in spec.program.written_back_idx)
-    pack = _transport.mode_for(spec.pack, written_back)
+    linked = spec.links is not None and spec.links[k] is not None
+    pack = not linked and _transport.mode_for(spec.pack, written_back)
     if repack and pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
         # Back into buffers of the same layout (a new one if the structure changed).
         multi = (
@@ -341,13 +386,14 @@ def calls_back(jaxpr: Any) -> bool:
     return False
 
 
-def jitted(note_trace: Callable[[CallSpec, Any], None], donate: bool) -> Any:
-    """A step's `jax.jit` of `entry`: spec static, state leaves donated if `donate`."""
-    return jax.jit(
-        functools.partial(entry, note_trace),
-        static_argnums=0,
-        donate_argnums=(1,) if donate else (),
-    )
+def jitted(note_trace: Callable[[CallSpec, Any], None], donate: Any) -> tuple[Any, Any]:
+    """A step's `jax.jit`s of `entry`, spec static: the one it runs (state leaves donated if
+    `donate`) and, with `donate=True`, one that does not donate, for programs that must keep
+    their inputs (`_call.runner`). Both wrap the same function, so JAX traces a spec once for
+    the two."""
+    fn = functools.partial(entry, note_trace)
+    jit = jax.jit(fn, static_argnums=0, donate_argnums=(1,) if donate else ())
+    return jit, jax.jit(fn, static_argnums=0) if donate is True else None
 
 
 _MISSING = object()

@@ -39,7 +39,7 @@ from ._errors import (
 )
 from ._handles import LazyHandle, Origin
 from ._nnx import NnxState, take_graph_cache
-from ._program import Program, Programs, SpecCache, entry, jitted
+from ._program import Program, Programs, SpecCache, entry, jitted, relinked
 from ._roles import Options
 from ._source import unwrap_function
 from ._stages import Lowered, Traced
@@ -146,9 +146,9 @@ class Step:
         # The call in progress and its program's results, kept until it finishes (`recover`).
         self._in_flight: Any = None
         self._landed: collections.deque[Any] = collections.deque(maxlen=1)
-        self._jit = jitted(self._diag.note_trace, bool(self.donate))
-        # The same program without donation, for programs that call back to the host.
-        self._jit_keep = jitted(self._diag.note_trace, False) if self.donate is True else None
+        # The step's jit, and the same program without donation for programs that must keep
+        # their inputs (they call back to the host, or their state changes shape).
+        self._jit, self._jit_keep = jitted(self._diag.note_trace, self.donate)
         functools.update_wrapper(self, fn)
         _all_steps.add(self)
 
@@ -229,7 +229,7 @@ class Step:
         call = prepare(self, args, kwargs)
         fn = functools.partial(entry, None, call.spec, repack=False)
         state_out, outputs = jax.eval_shape(fn, *call.inputs())
-        state = [flat.structure.unflatten(flat.arrays) for flat in state_out]
+        state = [flat.structure.unflatten(flat.arrays) for flat in relinked(call.spec, state_out)]
         return call.program.result(state, outputs)
 
     # --- conveniences -----------------------------------------------------------------------
@@ -240,8 +240,7 @@ class Step:
         self._nnx.cache = None
         self._last.clear()
         self._diag.forget_traces()
-        self._jit = jitted(self._diag.note_trace, bool(self.donate))
-        self._jit_keep = jitted(self._diag.note_trace, False) if self.donate is True else None
+        self._jit, self._jit_keep = jitted(self._diag.note_trace, self.donate)
 
     def __repr__(self) -> str:
         return f"<autoflat.step {self.__qualname__} num_steps={self.num_steps}>"

@@ -195,19 +195,23 @@ def placement_of(arrays: Sequence[Any]) -> Placement | None:
 
 class FlatState:
     """State as it crosses the jit boundary: its buffers plus the (static) structure and
-    transport layout (None: one buffer per array leaf; see `_transport`).
+    transport layout (None: one buffer per array leaf; see `_transport`), and, inside the
+    trace, how it shares Flax NNX Variables with other state (`link`: a `_nnx.Link`, or None).
 
-    A pytree node whose children are the buffers and whose aux data is (structure, layout), so
-    the structure of state leaving a compiled call comes back with it at no host cost beyond
-    one node.
+    A pytree node whose children are the buffers and whose aux data is (structure, layout,
+    link), so the structure of state leaving a compiled call comes back with it at no host
+    cost beyond one node.
     """
 
-    __slots__ = ("structure", "arrays", "layout")
+    __slots__ = ("structure", "arrays", "layout", "link")
 
-    def __init__(self, structure: Structure, arrays: Sequence[Any], layout: Any = None):
+    def __init__(
+        self, structure: Structure, arrays: Sequence[Any], layout: Any = None, link: Any = None
+    ):
         self.structure = structure
         self.arrays = list(arrays)
         self.layout = layout
+        self.link = link
 
     def __repr__(self) -> str:
         return f"FlatState({self.structure!r}, {self.layout!r})"
@@ -215,8 +219,8 @@ class FlatState:
 
 jax.tree_util.register_pytree_node(
     FlatState,
-    lambda f: (f.arrays, (f.structure, f.layout)),
-    lambda aux, arrays: FlatState(aux[0], arrays, aux[1]),
+    lambda f: (f.arrays, (f.structure, f.layout, f.link)),
+    lambda aux, arrays: FlatState(aux[0], arrays, aux[1], aux[2]),
 )
 
 

@@ -9,21 +9,41 @@ that the state keeps its shapes and dtypes from step to step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _structure
+from . import _nnx, _structure
 from ._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
 from ._handles import LazyHandle
 from ._structure import FlatState, flatten
 
+# Per thread, a stack of scopes, one per traced call (`linking`): the Variables of Flax NNX
+# state that later state imports (`_nnx.Link`), by state position.
+_scopes = threading.local()
+
+
+@contextlib.contextmanager
+def linking() -> Iterator[None]:
+    """The scope in which one traced call's state arguments share Flax NNX Variables."""
+    stack = _scopes.__dict__.setdefault("stack", [])
+    stack.append({})
+    try:
+        yield
+    finally:
+        stack.pop()  # no tracer outlives its trace here
+
 
 def _unflatten(flat: FlatState) -> Any:
-    return flat.structure.unflatten(flat.arrays)
+    value = flat.structure.unflatten(flat.arrays)
+    if flat.link is not None:
+        value = _nnx.relink(flat.link, value, _scopes.stack[-1])
+    return value
 
 
 def _flatten(spec: Any, index: int, value: Any) -> FlatState:
@@ -35,7 +55,8 @@ def _flatten(spec: Any, index: int, value: Any) -> FlatState:
         structure = expected  # equal, though interned apart (after `autoflat.clear_caches()`)
     if spec.num_steps > 1 and structure is not expected:
         _changed(spec, index, expected, None, structure, arrays)
-    return FlatState(structure, arrays)
+    # The scan's carry keeps the link of the state it came in as.
+    return FlatState(structure, arrays, None, spec.links[index] if spec.links else None)
 
 
 def _scan(

@@ -315,9 +315,8 @@ def autoflat_method(
     k = int(next(part for part in key.split("_") if part.isdigit()))
     options: dict[str, Any] = {"num_steps": k, "donate": "_nodonate" not in key}
     options["pack"] = True if key.endswith("_pack") else "auto" if key.endswith("_auto") else False
-    shown = ", ".join(
-        f"{o}={v!r}" for o, v in options.items() if (o, v) not in (("donate", True), ("pack", False))
-    )
+    defaults = (("donate", True), ("pack", False))
+    shown = ", ".join(f"{o}={v!r}" for o, v in options.items() if (o, v) not in defaults)
     note = (
         f"autoflat.step({', '.join(f'{o}={v!r}' for o, v in options.items())})"
         f"({step_fn.__name__}); returned handles passed back"

@@ -96,6 +96,8 @@ CASES: dict[str, Case] = {
         module="flax_nnx_toy_lifted",
         run_kwargs={"cached": False},
     ),
+    # An optimizer holding the model's own Variables (shared between the two arguments).
+    "flax_nnx_fsdp_optimizer": Case("flax.nnx", "train_step", nnx.jit, ignore=(_VALUE_DEPRECATED,)),
     "flax_nnx_toy_train_state": Case(
         "flax.nnx + linen TrainState", "train_step", jax.jit, ignore=(_VALUE_DEPRECATED,)
     ),

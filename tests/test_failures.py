@@ -67,6 +67,39 @@ def test_a_run_time_failure_leaves_mutation_style_state_intact():
     np.testing.assert_allclose(totals["w"], [2.0] * 3)
 
 
+def test_a_program_that_calls_back_is_traced_once_and_its_inputs_not_copied():
+    step = autoflat.step(_callback_step(_Flaky(fail_on=-1)))
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    for _ in range(3):
+        s = step(s, jnp.ones(3))
+    stats = autoflat.stats(step)
+    # one trace serves both the donation check and the run; the first call copies the
+    # caller's arrays before the check, later calls know the program keeps its inputs
+    assert (stats.traces, stats.copies) == (1, 1)
+    np.testing.assert_allclose(s["w"], [4.0] * 3)
+
+
+def test_state_rebound_to_another_shape_is_not_donated():
+    # A parameter returned by name that the body rebinds to another shape (`x = f(x)`): its
+    # buffers cannot hold the output. Donating them would make JAX warn "Some donated
+    # buffers were not usable" (an error under this suite's filters).
+    def step_fn(params, x):
+        x = x[:, :2] * params["w"]
+        params = {"w": params["w"] + 1.0}
+        return params, x
+
+    step = autoflat.step(step_fn)
+    p = {"w": jnp.ones(2)}
+    for _ in range(3):
+        x = jnp.ones((4, 3))
+        p, y = step(p, x)
+        assert y.shape == (4, 2) and not x.is_deleted()
+    np.testing.assert_allclose(p["w"], [4.0, 4.0])
+    np.testing.assert_allclose(y, np.full((4, 2), 3.0))
+    stats = autoflat.stats(step)
+    assert (stats.traces, stats.copies) == (1, 2)  # only the first call copies
+
+
 def test_donate_always_donates_a_program_that_calls_back():
     step = autoflat.step(_callback_step(_Flaky(fail_on=-1)), donate="always")
     s = step({"w": jnp.zeros(3)}, jnp.ones(3))

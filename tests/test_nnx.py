@@ -153,18 +153,87 @@ def test_functional_nnx_step_returns_new_objects():
     assert model(jnp.ones((2, 4))).shape == (2, 3)
 
 
-def test_shared_references_are_a_clear_error():
+def two_models(model, other, x):
+    model.l1.kernel.value = model.l1.kernel.value + jnp.sum(x)
+    other.l2.bias.value = other.l2.bias.value + 1.0
+
+
+def test_one_object_passed_as_two_arguments_matches_nnx_jit():
+    xs, _ = _data(3)
+    ref_model, _, _ = make()
+    ref = nnx.jit(two_models)
+    model, _, _ = make()
+    step = autoflat.step(two_models)
+    for i in range(3):
+        ref(ref_model, ref_model, xs[i])
+        step(model, model, xs[i])
+    _assert_same([model], [ref_model])
+    stats = autoflat.stats(step)
+    assert (stats.traces, stats.flattens) == (1, 2)  # the first call only reads the objects
+
+
+class Tied(nnx.Module):
+    """One Linear stored twice, and a Variable stored twice: tied weights."""
+
+    def __init__(self, rngs):
+        self.enc = nnx.Linear(4, 4, rngs=rngs)
+        self.dec = self.enc
+        self.scale = nnx.Param(jnp.ones((4,)))
+        self.scales = nnx.List([self.scale])
+        self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.count[...] += 1
+        return self.dec(nnx.tanh(self.enc(x)) * self.scales[0][...])
+
+
+def tied_step(model, optimizer, x):
+    def loss_fn(model):
+        return jnp.mean((model(x) - x) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("k,pack", [(1, False), (3, False), (1, True), (3, True)])
+def test_tied_weights_and_an_optimizer_match_nnx_jit(k, pack):
+    xs = jax.random.normal(jax.random.key(0), (6, 8, 4))
+
+    def fresh():
+        model = Tied(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    ref_model, ref_opt = fresh()
+    ref = nnx.jit(tied_step)
+    ref_losses = [ref(ref_model, ref_opt, x) for x in xs]
+    model, optimizer = fresh()
+    step = autoflat.step(tied_step, num_steps=k, pack=pack)
+    losses = [step(model, optimizer, xs[i : i + k] if k > 1 else xs[i]) for i in range(0, 6, k)]
+    np.testing.assert_allclose(np.ravel(losses), np.ravel(ref_losses), rtol=1e-5)
+    _assert_same([model, optimizer], [ref_model, ref_opt])
+    assert model.dec is model.enc and model.scales[0] is model.scale
+    assert int(model.count[...]) == 6
+    stats = autoflat.stats(step)
+    assert (stats.traces, stats.flattens) == (1, 2)
+
+
+def test_shared_variables_with_a_returned_object_are_a_clear_error():
     model, optimizer, metrics = make()
     xs, ys = _data(2)
 
-    def two_models(model, other, x):
+    def returns_other(model, other, x):
         model.l1.kernel.value = model.l1.kernel.value + jnp.sum(x)
-        other.l2.bias.value = other.l2.bias.value + 1.0
+        return other
 
-    step = autoflat.step(two_models)
-    with pytest.raises(autoflat.AutoflatError, match=r"reachable as `model.*` and as `other.*`"):
+    step = autoflat.step(returns_other)
+    kernel = model.l1.kernel[...]
+    with pytest.raises(
+        autoflat.AutoflatError, match=r"reachable as `model.*` and as `other.*`, and not every"
+    ):
         step(model, model, xs[0])
     # nothing was lost
+    np.testing.assert_array_equal(model.l1.kernel[...], kernel)
     train = autoflat.step(train_step)
     train(model, optimizer, metrics, xs[0], ys[0])
     assert int(optimizer.step.value) == 1
