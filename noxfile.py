@@ -115,12 +115,28 @@ def bench(session: nox.Session) -> None:
     `nox -s bench -- --quick` checks the suite in a few minutes. Arguments after `--` go to
     benchmarks/report.py (`--out DIR`, `--sections 2,3`, `--jobs 1`, ...).
     """
-    session.install("-e", ".[examples]")  # equinox, flax, matplotlib
+    session.install("-e", ".[bench]")  # equinox, flax, matplotlib, keras
     session.run("python", "benchmarks/report.py", *session.posargs)
 
 
 @nox.session(python="3.11")
 def bench_transport(session: nox.Session) -> None:
     """Flat, packed and automatic transport side by side (issue figures; not a test)."""
-    session.install("-e", ".[examples]")
+    session.install("-e", ".[bench]")
     session.run("python", "benchmarks/bench_transport.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_peers(session: nox.Session) -> None:
+    """Keras 3 on the JAX backend against autoflat on the same MLP (not a test):
+    benchmarks/results/keras.{md,json}."""
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/bench_keras.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench_zoo(session: nox.Session) -> None:
+    """Flat, automatic and packed transport on the model zoo (not a test):
+    benchmarks/results/zoo.{md,json}."""
+    session.install("-e", ".[bench]")
+    session.run("python", "benchmarks/bench_zoo.py", *session.posargs)
