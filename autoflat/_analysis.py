@@ -4,6 +4,9 @@
 `return` of its own scope and the names it returns, which parameters the body writes into or
 calls methods on, the names it reads from outside, and the offset that maps lines of the
 parsed source back to the user's file; or it raises a `SourceError` for source it cannot use.
+This module owns the `Analysis` value, reading the parameters, describing the returns (and
+whether the body falls through), the free names and the constructs refused; the one libcst
+pass that collects what the body does is `_visitor`'s.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ._errors import (
     where,
 )
 from ._source import matches_code, read_source, unwrap_function
+from ._visitor import Visitor
 
 ParamKind = Literal["positional_only", "positional_or_keyword", "keyword_only"]
 ReturnKind = Literal["none", "single", "tuple"]
@@ -111,173 +115,6 @@ class Analysis:
     def user_line(self, parsed_line: int) -> int:
         """The line in the user's file of a line of the parsed (dedented) source."""
         return parsed_line + self.line_offset
-
-
-def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
-    nodes = [*params.posonly_params, *params.params, *params.kwonly_params]
-    if isinstance(params.star_arg, cst.Param):
-        nodes.append(params.star_arg)
-    if params.star_kwarg is not None:
-        nodes.append(params.star_kwarg)
-    return nodes
-
-
-# Methods that change a dict or a list in place.
-_IN_PLACE_METHODS = frozenset(
-    {
-        "update", "pop", "popitem", "setdefault", "clear",  # dict
-        "append", "extend", "insert", "remove", "sort", "reverse",  # list
-        "__setitem__", "__delitem__", "__ior__", "__iadd__",
-    }
-)  # fmt: skip
-
-
-class _Visitor(cst.CSTVisitor):
-    """Collects what the function's own scope does, and the writes and method calls on its
-    parameters anywhere in it (nested functions included).
-
-    Which binding a name refers to comes from libcst's `ScopeProvider`: a name refers to a
-    parameter when that parameter is among the assignments it can see, so a nested
-    function's own parameter or local of the same name is not the parameter, and a
-    parameter rebound in the body still is (a write after `p = f(p)` may reach the caller's
-    object on another path). The scope provider counts `p.x = ...` as a read of `p`, not a
-    write: the writes into a parameter are what this visitor looks for.
-    """
-
-    METADATA_DEPENDENCIES = (meta.PositionProvider, meta.ScopeProvider)
-
-    def __init__(self, root: cst.FunctionDef) -> None:
-        self.root = root
-        self.params = frozenset(_param_nodes(root.params))
-        self.scope: meta.Scope | None = None  # the root function's own scope
-        self.returns: list[tuple[cst.Return, int]] = []
-        self.assigned: dict[str, int] = {}
-        self.method_called: set[str] = set()
-        self.in_place: dict[str, tuple[str, int]] = {}
-        self.attribute_reads: set[tuple[str, str]] = set()
-        self.unsupported: list[tuple[str, int]] = []
-        self.names: set[str] = set()
-
-    def _line(self, node: cst.CSTNode) -> int:
-        return self.get_metadata(meta.PositionProvider, node).start.line
-
-    def _own(self, node: cst.CSTNode) -> bool:
-        """Whether `node` runs in the root function's own scope (comprehensions included)."""
-        scope = self.get_metadata(meta.ScopeProvider, node, None)
-        while isinstance(scope, meta.ComprehensionScope):
-            scope = scope.parent
-        return scope is not None and scope is self.scope
-
-    def _parameter(self, node: cst.BaseExpression) -> str | None:
-        """The parameter that the attribute/subscript chain `node` starts from, if any."""
-        while isinstance(node, (cst.Attribute, cst.Subscript)):
-            node = node.value
-        if not isinstance(node, cst.Name):
-            return None
-        scope = self.get_metadata(meta.ScopeProvider, node, None)
-        if scope is None:
-            return None
-        for access in scope.accesses[node]:
-            if access.node is node and any(
-                getattr(a, "node", None) in self.params for a in access.referents
-            ):
-                return node.value
-        return None
-
-    # the function itself, and constructs of its own scope
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        if node is self.root:
-            self.scope = self.get_metadata(meta.ScopeProvider, node.body)
-            if node.asynchronous is not None:
-                self.unsupported.append(("async", self._line(node)))
-
-    def visit_Return(self, node: cst.Return) -> None:
-        if self._own(node):
-            self.returns.append((node, self._line(node)))
-
-    def visit_Yield(self, node: cst.Yield) -> None:
-        if self._own(node):
-            self.unsupported.append(("yield", self._line(node)))
-
-    def visit_Await(self, node: cst.Await) -> None:
-        if self._own(node):
-            self.unsupported.append(("async", self._line(node)))
-
-    def visit_Global(self, node: cst.Global) -> None:
-        if self._own(node):
-            self.unsupported.append(("global", self._line(node)))
-
-    def visit_Nonlocal(self, node: cst.Nonlocal) -> None:
-        if self._own(node):
-            self.unsupported.append(("nonlocal", self._line(node)))
-
-    # names, writes into parameters and method calls on them
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
-
-    def _target(self, target: cst.BaseExpression, line: int) -> None:
-        if isinstance(target, (cst.Tuple, cst.List)):
-            for el in target.elements:
-                self._target(el.value, line)
-        elif isinstance(target, cst.StarredElement):
-            self._target(target.value, line)
-        elif isinstance(target, (cst.Attribute, cst.Subscript)):
-            param = self._parameter(target)
-            if param is not None:
-                self.assigned.setdefault(param, line)
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        for t in node.targets:
-            self._target(t.target, self._line(node))
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target, self._line(node))
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target, self._line(node))
-        if isinstance(node.target, cst.Name):
-            param = self._parameter(node.target)
-            if param is not None:
-                op = cst.Module([]).code_for_node(node.operator).strip()
-                self.in_place.setdefault(param, (f"{param} {op} ...", self._line(node)))
-
-    def visit_Del(self, node: cst.Del) -> None:
-        self._target(node.target, self._line(node))
-
-    def visit_For(self, node: cst.For) -> None:
-        self._target(node.target, self._line(node))
-
-    def visit_WithItem(self, node: cst.WithItem) -> None:
-        if node.asname is not None:
-            self._target(node.asname.name, self._line(node))
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._target(node.target, self._line(node))
-
-    def visit_Attribute(self, node: cst.Attribute) -> None:
-        if isinstance(node.value, cst.Name):
-            param = self._parameter(node.value)
-            if param is not None:
-                self.attribute_reads.add((param, node.attr.value))
-
-    def visit_Call(self, node: cst.Call) -> None:
-        if isinstance(node.func, cst.Attribute):
-            param = self._parameter(node.func.value)
-            if param is not None:
-                self.method_called.add(param)
-                method = node.func.attr.value
-                if method in _IN_PLACE_METHODS:
-                    spelling = f"{cst.Module([]).code_for_node(node.func)}(...)"
-                    self.in_place.setdefault(param, (spelling, self._line(node)))
-        elif (
-            isinstance(node.func, cst.Name)
-            and node.func.value in ("setattr", "delattr")
-            and node.args
-        ):
-            # `setattr(p, name, v)` writes into `p` as `p.x = v` does.
-            param = self._parameter(node.args[0].value)
-            if param is not None:
-                self.assigned.setdefault(param, self._line(node))
 
 
 def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
@@ -433,7 +270,7 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         )
 
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
-    visitor = _Visitor(funcdef)
+    visitor = Visitor(funcdef)
     wrapper.visit(visitor)
     positions = wrapper.resolve(meta.PositionProvider)
     scopes = wrapper.resolve(meta.ScopeProvider)

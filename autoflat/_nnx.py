@@ -1,7 +1,8 @@
 """All of autoflat's Flax NNX code: NNX objects as mutation-style state, called again and again.
 
-Each step has one `NnxState`: it finds the Variables of NNX state arguments (refusing one
-reachable twice), writes a call's new values into them, and keeps the `NnxCache` below.
+Each step has one `NnxState`: it finds the Variables of NNX state arguments and how they share
+them (`Link`: shared Variables cross `jax.jit` once and are the same objects in the trace),
+writes a call's new values into them, and keeps the `NnxCache` below.
 
 A Flax NNX train step is called with the same model and optimizer every time, and updates
 them in place. Flattening them costs a Python callback per graph node (about 1 ms for a
@@ -9,8 +10,8 @@ ResNet50-structured model with Adam), and so does writing the new values back th
 `nnx.update`. After one call has flattened the objects, `NnxCache` keeps:
 
 - their Variables, in leaf order, and the arrays autoflat wrote into them;
-- a `GraphSnapshot`: every container reachable from the objects (each module's `__dict__`,
-  plain lists, dicts and sets) with the identity of each value it held.
+- a `GraphSnapshot` (`_snapshot`): every container reachable from the objects (each module's
+  `__dict__`, plain lists, dicts and sets) with the identity of each value it held.
 
 The next call with the same objects checks the snapshot and the Variables' values by
 identity, which is a few microseconds a node, and if nothing changed uses the cached
@@ -25,7 +26,6 @@ import functools
 import itertools
 import operator
 import sys
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,12 +36,10 @@ import numpy as np
 from ._errors import SHARED_VARIABLE, StateError, error
 from ._handles import LazyHandle
 from ._roles import is_mutable_module
+from ._snapshot import GraphSnapshot
 from ._structure import is_array
 from ._writeback import register_holder
 
-# Flax's own bookkeeping attributes: compared by identity, never walked into.
-_INTERNAL_PREFIXES = ("_pytree__", "_object__")
-_NOT_WALKED = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
 _is = operator.is_
 
 
@@ -96,58 +94,6 @@ def _unchecked_setter(variable_types: set[type]) -> Callable[[Any, Any], None]:
 
 def _same(obj: Any) -> Any:
     return obj
-
-
-class GraphSnapshot:
-    """The containers reachable from some objects, and the identity of every value each held.
-
-    `unchanged()` is true while no container gained, lost or replaced a value. Values are
-    compared by identity, so an attribute set to an equal but new object counts as a change
-    (a false alarm costs one slow call, never a wrong result).
-    """
-
-    __slots__ = ("_dicts", "_lists", "_sets")
-
-    def __init__(self, roots: Iterable[Any], is_leaf: Callable[[Any], bool]) -> None:
-        dicts: list[tuple[dict[Any, Any], tuple[Any, ...], list[Any]]] = []
-        lists: list[tuple[list[Any], list[Any]]] = []
-        sets: list[tuple[set[Any], frozenset[Any]]] = []
-        seen: set[int] = set()
-        stack = list(roots)
-        while stack:
-            node = stack.pop()
-            if id(node) in seen or is_leaf(node) or isinstance(node, _NOT_WALKED):
-                continue
-            seen.add(id(node))
-            if isinstance(node, list):
-                lists.append((node, list(node)))
-                stack.extend(node)
-            elif isinstance(node, tuple):
-                stack.extend(node)
-            elif isinstance(node, set):
-                sets.append((node, frozenset(node)))
-            else:
-                d = node if isinstance(node, dict) else getattr(node, "__dict__", None)
-                if type(d) is not dict:
-                    continue  # no instance dict (slots, builtins): nothing that can change
-                dicts.append((d, tuple(d), list(d.values())))
-                stack.extend(
-                    v
-                    for key, v in d.items()
-                    if not (isinstance(key, str) and key.startswith(_INTERNAL_PREFIXES))
-                )
-        self._dicts = dicts
-        self._lists = lists
-        self._sets = sets
-
-    def unchanged(self) -> bool:
-        for d, keys, values in self._dicts:
-            if len(d) != len(keys) or not all(map(_is, d.values(), values)) or tuple(d) != keys:
-                return False
-        for lst, values in self._lists:
-            if len(lst) != len(values) or not all(map(_is, lst, values)):
-                return False
-        return all(s == frozen for s, frozen in self._sets)
 
 
 class NnxCache:

@@ -200,7 +200,7 @@ class CallSpec:
         self.unroll = unroll
         self.pack = pack
         self.fn = Location(fn.name, fn.where)  # the step's name and location, for messages
-        # Whether it runs without donation (set at its first trace; see `_call.runner`): the
+        # Whether it runs without donation (set at its first trace; see `_launch.runner`): the
         # program calls back to the host (`calls_back`: it can fail after its inputs are
         # gone), or a state output cannot reuse its input's buffers.
         self.keeps_inputs: bool | None = None
@@ -389,7 +389,7 @@ def calls_back(jaxpr: Any) -> bool:
 def jitted(note_trace: Callable[[CallSpec, Any], None], donate: Any) -> tuple[Any, Any]:
     """A step's `jax.jit`s of `entry`, spec static: the one it runs (state leaves donated if
     `donate`) and, with `donate=True`, one that does not donate, for programs that must keep
-    their inputs (`_call.runner`). Both wrap the same function, so JAX traces a spec once for
+    their inputs (`_launch.runner`). Both wrap the same function, so JAX traces a spec once for
     the two."""
     fn = functools.partial(entry, note_trace)
     jit = jax.jit(fn, static_argnums=0, donate_argnums=(1,) if donate else ())

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._call import Call, finish, launch, prepare
+from ._call import Call, finish, prepare
 from ._errors import AOT_MISMATCH, CallError, error
+from ._launch import launch
 
 
 class Traced:

@@ -1,7 +1,7 @@
 """`Step`, the decorated step function: a thin facade over the stages.
 
 A `Step` reads and checks its options once, analyses the function (`_analysis`), makes its
-programs (`_program`), and holds the per-step caches. A call is `_call.prepare` → `_call.launch`
+programs (`_program`), and holds the per-step caches. A call is `_call.prepare` → `_launch.launch`
 → `_call.finish`; `lower`, `trace` and `eval_shape` prepare a call the same way and hand it to
 JAX's ahead-of-time stages instead of running it. `source` is the generated text that
 `autoflat.show` returns.
@@ -21,7 +21,7 @@ import jax
 
 from . import _caches
 from ._analysis import analyse
-from ._call import finish, launch, prepare, runner
+from ._call import finish, prepare
 from ._diagnostics import Diagnostics, Stats
 from ._errors import (
     BAD_FLAG,
@@ -38,6 +38,7 @@ from ._errors import (
     where,
 )
 from ._handles import LazyHandle, Origin
+from ._launch import launch, runner
 from ._nnx import NnxState, take_graph_cache
 from ._program import Program, Programs, SpecCache, entry, jitted, relinked
 from ._roles import Options

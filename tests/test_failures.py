@@ -554,7 +554,7 @@ def test_a_keyboard_interrupt_after_the_program_ran_is_recoverable(monkeypatch):
 def test_a_keyboard_interrupt_before_the_program_ran_leaves_the_inputs(monkeypatch):
     from helpers import accumulate, ones
 
-    import autoflat._call as call_module
+    import autoflat._launch as call_module
 
     step = autoflat.step(accumulate, num_steps=2)
     s, _ = step(_zeros_state(), ones(2))

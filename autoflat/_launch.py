@@ -1,0 +1,143 @@
+"""The launch of a prepared call: which of the step's `jax.jit`s runs it (donating or not),
+claiming the donated handles, running it so that its results survive an interrupt, and
+errors raised while it runs pointed at the user's code.
+
+A program runs without donation when its first trace (which the run then reuses) shows it
+calls back to the host (it can fail while running, after donated inputs are gone) or that a
+state output cannot reuse its input's buffers, unless the step asked for `donate="always"`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from . import _loading
+from ._errors import NOT_AN_ARRAY, CallError, error
+from ._handles import LazyHandle
+from ._program import CallSpec, calls_back
+from ._structure import is_array
+
+if TYPE_CHECKING:
+    from ._call import Call
+
+
+def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) -> Any:
+    """Run the compiled program on a prepared call: the step's `jax.jit`, or an ahead-of-time
+    executable `compiled` (which takes the inputs without the spec).
+
+    With `donate=True`, a program that calls back to the host (found at its first trace) runs
+    without donation: it can fail while running, after donated inputs are gone."""
+    __tracebackhide__ = True
+    spec, inputs = call.spec, call.inputs()
+    claimed = _claim(step, call.donated) if call.donated and step.donate else ()
+    # The results land in the step's `_landed` from C (`deque.extend` of a `starmap`), with no
+    # Python bytecode between the program's return and their store: a KeyboardInterrupt
+    # that Python raises right after the program returned leaves them reachable from the step
+    # (`Step.recover`), not lost with the inputs it consumed.
+    landed = step._landed
+    landed.clear()
+    try:
+        if compiled is not None:
+            landed.extend(itertools.starmap(compiled, (inputs,)))
+        else:
+            landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
+        return landed[0]
+    except BaseException as e:
+        if not landed:  # the program did not run: nothing donated, nothing to recover
+            step._in_flight = None
+            for h in claimed:
+                object.__setattr__(h, "_af_consumed_by", 0)
+        if not isinstance(e, Exception):
+            raise
+        if isinstance(e, TypeError):
+            _raise_if_not_arrays(step, call, e)
+        program = call.program
+        _loading.rewrite_traceback(
+            e,
+            program.generated,
+            program.filename,
+            step._analysis.filename,
+            step._analysis.funcdef.name.value,
+            step._analysis.name,
+        )
+        raise
+
+
+def _raise_if_not_arrays(step: Any, call: Call, cause: Exception) -> None:
+    """JAX's "Error interpreting argument to <Step._entry>... xs[1]" in the user's words: the
+    per-step argument holding a value that is not an array. (Per-step inputs go into the
+    compiled program as they are; the non-array leaves of state and broadcast arguments are
+    static parts of their structures, and never reach it.)"""
+    if "interpreting argument" not in str(cause):
+        return
+    program = call.program
+    for i in program.scanned_idx:
+        param = program.roles.params[i]
+        value = call.args[i]
+        if type(value) is LazyHandle:
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if not (is_array(leaf) or isinstance(leaf, (bool, int, float, complex))):
+                raise error(
+                    CallError,
+                    NOT_AN_ARRAY,
+                    step._analysis,
+                    path=f"{param}{jax.tree_util.keystr(path)}",
+                    type=type(leaf).__name__,
+                    param=param,
+                    role="a per-step input",
+                ) from cause
+
+
+_claim_lock = threading.Lock()
+
+
+def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
+    """Mark the handles whose buffers a launch may donate as consumed by this call, at once
+    and before it runs: another thread passing one of them gets the consumed error, not JAX's
+    "buffer deleted". A launch that fails, or does not donate, gives them back."""
+    call = step._diag.stats.calls
+    with _claim_lock:
+        for h in handles:
+            LazyHandle._af_check(h)
+        for h in handles:
+            object.__setattr__(h, "_af_consumed_by", call)
+            object.__setattr__(h, "_af_consumer", step._origin)
+    return handles
+
+
+def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
+    """The step's `jax.jit` that runs `spec`: donating, unless (decided at its first trace,
+    which the jit then reuses) the program may fail at run time, or a state output cannot
+    reuse its input's buffers, and the step did not ask for `donate="always"`."""
+    if step.donate is not True:
+        return step._jit
+    if spec.keeps_inputs is None:
+        traced = step._jit.trace(spec, *inputs)
+        spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(inputs[0], traced)
+    return step._jit_keep if spec.keeps_inputs else step._jit
+
+
+def _reshapes_state(state_in: tuple[list[Any], ...], traced: Any) -> bool:
+    """Whether a state output differs from its input in shapes or dtypes (at `num_steps=1`,
+    a parameter returned by name that the step rebinds: `x = f(x); return model, x`). Its
+    donated buffers could not hold the output: JAX would warn and the copy made for the
+    donation would be wasted, so such a program runs without donation."""
+    state_out = traced.out_info[0]
+    for arrays, flat in zip(state_in, state_out, strict=True):
+        if len(arrays) != len(flat.arrays) or any(
+            (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype)
+            for a, b in zip(arrays, flat.arrays, strict=True)
+        ):
+            return True
+    return False
+
+
+def donates(step: Any, spec: CallSpec) -> bool:
+    """Whether a launch of `spec` donated the state it was given."""
+    return step.donate == "always" or (step.donate is True and not spec.keeps_inputs)
