@@ -8,28 +8,23 @@ At a step's first call (and again for arguments of other types) `infer` settles 
   axis of k; broadcast if none has (a reused key, a full batch, a teacher's weights) or if it
   holds values JAX cannot trace (an Equinox module's functions, an optax
   `GradientTransformation`); static if it is a hashable Python scalar or string (as in
-  `eqx.filter_jit`). Mixed arguments, and a first call whose only candidates all have a
-  shorter leading axis (a short first chunk, or a full batch reused?), are errors naming the
-  argument and the option that settles it. With `num_steps=1` arrays and Python numbers are
-  passed as they are (as `jax.jit` passes them); strings are static and objects JAX cannot
-  trace are broadcast.
-- **State by abstract value.** One step is evaluated abstractly (`jax.eval_shape`: no compile)
-  and each return position that does not return a parameter by name is matched to the
-  parameter whose abstract value (tree structure, shapes, dtypes) it equals. A container or
-  module matches at any position, a bare array only at its own parameter's position (so a loss
-  is never taken for a scalar input). One candidate: state. Several: the parameter at the same
+  `eqx.filter_jit`). With `num_steps=1` arrays and Python numbers are passed as they are (as
+  `jax.jit` passes them); strings are static and objects JAX cannot trace are broadcast.
+- **State by abstract value.** One step is evaluated abstractly (`_abstract`: no compile) and
+  each return position that does not return a parameter by name is matched to the parameter
+  whose abstract value (tree structure, shapes, dtypes) it equals. A container or module
+  matches at any position, a bare array only at its own parameter's position (so a loss is
+  never taken for a scalar input). One candidate: state. Several: the parameter at the same
   position, else an error listing them with the `state=` that settles it. A parameter named in
   `state=` that no position matches is an error: never an old value carried unchanged.
-- **Two readings autoflat will not choose between** (with `num_steps > 1`): an argument the
-  body writes into whose arrays all have a leading axis of num_steps (a per-step batch changed
-  locally, or state?), and a per-step-looking container that a return position gives back one
-  step's slice of (state whose first axis happens to be num_steps?). Both are errors naming
-  `per_step=` and `state=`: guessed wrong, each trains silently wrong.
 - **Python numbers at `num_steps=1`** are traced, as `jax.jit` traces them; one the step needs
   concrete (a layer size) fails the abstract evaluation and is made static instead.
 - **Python scalars in state that a step changes** (`TrainState.step`, counted up from a
   Python int) become arrays before the first call (`Inferred.to_array`), so the step compiles
   once, as under `jax.jit`; scalars a step gives back unchanged stay static.
+
+The readings this inference will not choose between (mixed or short leading axes, per-step or
+state?) are errors raised by `_hazards`.
 """
 
 from __future__ import annotations
@@ -41,24 +36,22 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._abstract import SCALARS, eval_one_step, positions_of, same_value
 from ._analysis import Analysis
 from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
-    PER_STEP_OR_STATE,
-    SHORT_FIRST_CHUNK,
     STATE_NOT_MATCHED,
     UNHASHABLE_STATIC,
-    WRITTEN_PER_STEP,
     CallError,
     OptionError,
     ShapeError,
     error,
 )
+from ._hazards import check_per_step_returned, check_written_per_step, raise_leading_axis_errors
 from ._roles import Options, Role, Roles, RunTime, assign_roles, is_mutable_module, returned_by_name
 from ._structure import is_array
 
-_SCALARS = (bool, int, float, complex)
 _STATIC_SCALARS = (str, bytes, type(None))
 
 
@@ -103,7 +96,7 @@ def infer(
         if p in changed or (may_mutate and p not in explicit | by_source and is_mutable_module(a))
     )
     if num_steps > 1:
-        _check_written_per_step(analysis, options, returned_at, mutable, args, num_steps)
+        check_written_per_step(analysis, options, returned_at, mutable, args, num_steps)
     open_ = [
         p for p in params if p not in explicit | by_source | mutable and p not in options.state
     ]
@@ -147,7 +140,7 @@ def infer(
         for_eval[p] = "scanned"
     out: Any = None
     if num_steps == 1:
-        traced = [p for p in open_ if kinds[p][0] == "scanned" and isinstance(values[p], _SCALARS)]
+        traced = [p for p in open_ if kinds[p][0] == "scanned" and isinstance(values[p], SCALARS)]
         if traced:
             out = _settle_scalars(fn, params, values, for_eval, kinds, traced)
 
@@ -170,13 +163,13 @@ def infer(
     if pending and open_positions:
         try:
             if out is None:
-                out = _eval_one_step(fn, params, values, for_eval, num_steps)
+                out = eval_one_step(fn, params, values, for_eval, num_steps)
         except Exception as e:
             # The step failed on an argument taken as broadcast for the evaluation: the
             # leading-axis error says what to declare.
-            _raise_leading_axis_errors(analysis, kinds, deferred, values, num_steps, options, e)
+            raise_leading_axis_errors(analysis, kinds, deferred, values, num_steps, options, e)
             raise
-        outputs = _positions(first, out)
+        outputs = positions_of(first, out)
         carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
         matched.update(
             _match(analysis, params, values, pending, open_positions, outputs, declared, carried)
@@ -184,11 +177,11 @@ def infer(
     else:
         outputs = None
     if num_steps > 1 and first is not None and first.kind != "none":
-        out = _check_per_step_returned(
+        out = check_per_step_returned(
             analysis, fn, params, values, kinds, for_eval, options, matched, open_positions,
             first, out, num_steps,
         )  # fmt: skip
-    _raise_leading_axis_errors(
+    raise_leading_axis_errors(
         analysis,
         {p: k for p, k in kinds.items() if p not in matched},
         deferred,
@@ -227,89 +220,6 @@ def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> boo
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
 
-def _check_per_step_returned(
-    analysis: Analysis,
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    kinds: dict[str, tuple[Role, str]],
-    for_eval: dict[str, Role],
-    options: Options,
-    matched: dict[str, tuple[int, str]],
-    open_positions: list[int],
-    first: Any,
-    out: Any,
-    num_steps: int,
-) -> Any:
-    """A container whose every array leaf has a leading axis of num_steps looks per-step; if a
-    return position gives back one step's slice of it (same structure, shapes and dtypes), it
-    may instead be state whose first axis happens to be num_steps (a model with 4 outputs at
-    num_steps=4), returned under another name: sliced per step, it would train silently wrong.
-    The user says which. Returns one step's abstract output (evaluated here if not yet)."""
-    taken = {pos for pos, _ in matched.values()}
-    left = [pos for pos in open_positions if pos not in taken]
-    scanned = [
-        p
-        for p in params
-        if kinds.get(p, ("",))[0] == "scanned"
-        and p not in options.per_step
-        and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
-    ]
-    if not (left and scanned):
-        return out
-    if out is None:
-        try:
-            out = _eval_one_step(fn, params, values, for_eval, num_steps)
-        except Exception:
-            return None  # the step's own trace raises it again, with its line
-    outputs = _positions(first, out)
-    if not outputs:
-        return out
-    for p in scanned:
-        rebuild, abstract = _abstract(values[p], drop_axis=True)
-        sliced = rebuild(abstract)
-        hits = [pos for pos in left if _same_value(sliced, outputs[pos])]
-        if hits:
-            raise error(
-                ShapeError,
-                PER_STEP_OR_STATE,
-                analysis,
-                param=p,
-                position=hits[0],
-                num_steps=num_steps,
-            )
-    return out
-
-
-def _check_written_per_step(
-    analysis: Analysis,
-    options: Options,
-    returned_at: dict[str, int],
-    mutable: frozenset[str],
-    args: tuple[Any, ...],
-    num_steps: int,
-) -> None:
-    """An argument the body writes into (`batch["x"] = ...`, `batch.update(...)`) is state,
-    carried from step to step and written back. One whose array leaves all have a leading axis
-    of num_steps looks like a per-step input changed locally, as under `jax.jit` (each step
-    would see the whole chunk): the user says which."""
-    written = (set(analysis.assigned) | mutable) - set(returned_at) - options.state
-    written -= options.static | options.broadcast | options.per_step | {options.instance}
-    for p, value in zip(analysis.param_names, args, strict=True):
-        if p not in written:
-            continue
-        leaves = jax.tree_util.tree_leaves(value)
-        if leaves and all(
-            is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves
-        ):
-            line = dict(analysis.assigned_lines).get(p) or next(
-                (ln for q, _, ln in analysis.in_place if q == p), analysis.def_line
-            )
-            raise error(
-                ShapeError, WRITTEN_PER_STEP, analysis, param=p, line=line, num_steps=num_steps
-            )
-
-
 # What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).
 _NEEDS_CONCRETE = (
     jax.errors.ConcretizationTypeError,
@@ -332,14 +242,14 @@ def _settle_scalars(
     fails to trace: it is made static, as `static_argnames` or `eqx.filter_jit` would (each
     value then compiles once). Returns one step's abstract output."""
     try:
-        return _eval_one_step(fn, params, values, for_eval, 1)
+        return eval_one_step(fn, params, values, for_eval, 1)
     except _NEEDS_CONCRETE as e:
         failure: Exception = e
     trials = [[p] for p in scalars] + ([scalars] if len(scalars) > 1 else [])
     for trial in trials:
         roles = {**for_eval, **dict.fromkeys(trial, "static")}
         try:
-            out = _eval_one_step(fn, params, values, roles, 1)  # type: ignore[arg-type]
+            out = eval_one_step(fn, params, values, roles, 1)  # type: ignore[arg-type]
         except _NEEDS_CONCRETE:
             continue
         for p in trial:
@@ -353,31 +263,13 @@ def _settle_scalars(
     raise failure
 
 
-def _raise_leading_axis_errors(
-    analysis: Analysis,
-    kinds: dict[str, tuple[Role, str]],
-    deferred: dict[str, Exception],
-    values: dict[str, Any],
-    num_steps: int,
-    options: Options,
-    cause: BaseException | None,
-) -> None:
-    """Raise the first leading-axis error of an argument that is not state: mixed leading
-    axes, or a short first chunk."""
-    found = next((deferred[p] for p in kinds if p in deferred), None)
-    if found is None and num_steps > 1:
-        found = _short_first_chunk(analysis, kinds, values, num_steps, options)
-    if found is not None:
-        raise found from cause
-
-
 def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role, str] | Exception:
     """The role of an argument the source and options leave open, from its value, or the
     error for an argument with mixed leading axes (raised unless it is matched as state)."""
-    if isinstance(value, _STATIC_SCALARS) or (num_steps > 1 and isinstance(value, _SCALARS)):
+    if isinstance(value, _STATIC_SCALARS) or (num_steps > 1 and isinstance(value, SCALARS)):
         return "static", f"a Python {type(value).__name__}, static as in eqx.filter_jit"
     leaves = jax.tree_util.tree_leaves(value)
-    untraceable = [x for x in leaves if not (is_array(x) or isinstance(x, _SCALARS))]
+    untraceable = [x for x in leaves if not (is_array(x) or isinstance(x, SCALARS))]
     if untraceable:
         return "broadcast", f"{_describe(value)}, holds values JAX cannot trace"
     if num_steps == 1:
@@ -405,162 +297,6 @@ def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role,
     )
 
 
-def _short_first_chunk(
-    analysis: Analysis,
-    kinds: dict[str, tuple[Role, str]],
-    values: dict[str, Any],
-    num_steps: int,
-    options: Options,
-) -> Exception | None:
-    """A first call with no per-step argument, where an argument's array leaves all share a
-    leading axis shorter than num_steps, is ambiguous: a short first chunk, or a batch reused
-    for every step? The user says which."""
-    if options.per_step or any(role == "scanned" for role, _ in kinds.values()):
-        return None
-    for p, (role, _) in kinds.items():
-        if role != "broadcast":
-            continue
-        arrays = [x for x in jax.tree_util.tree_leaves(values[p]) if is_array(x)]
-        lengths = {np.shape(x)[0] if np.ndim(x) else -1 for x in arrays}
-        if arrays and len(lengths) == 1:
-            (length,) = lengths
-            if 0 < length < num_steps:
-                return error(
-                    ShapeError,
-                    SHORT_FIRST_CHUNK,
-                    analysis,
-                    param=p,
-                    length=length,
-                    num_steps=num_steps,
-                )
-    return None
-
-
-def _abstract(value: Any, drop_axis: bool, scalars: bool = False) -> tuple[Any, list[Any]]:
-    """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs, and with
-    `scalars` Python numbers too (weakly typed, as `jax.jit` traces a per-step one)."""
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    treedef_: Any = treedef
-    positions = [
-        i for i, x in enumerate(leaves) if is_array(x) or (scalars and isinstance(x, _SCALARS))
-    ]
-    abstract = [
-        jax.ShapeDtypeStruct(
-            np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
-            jax.numpy.result_type(leaves[i]),
-            weak_type=isinstance(leaves[i], _SCALARS),
-        )
-        for i in positions
-    ]
-
-    def rebuild(arrays: list[Any]) -> Any:
-        full = list(leaves)
-        for i, a in zip(positions, arrays, strict=True):
-            full[i] = a
-        return treedef_.unflatten(full)
-
-    return rebuild, abstract
-
-
-def _eval_one_step(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-) -> Any:
-    """The abstract value one step returns, for these arguments."""
-    parts = []
-    for p in params:
-        role = roles[p]
-        if role == "static":
-            parts.append((None, values[p]))
-        else:
-            # A per-step input with one step a call goes into `jax.jit` as it is: its Python
-            # numbers are traced.
-            scanned = role == "scanned"
-            parts.append(
-                _abstract(values[p], scanned and num_steps > 1, scanned and num_steps == 1)
-            )
-
-    found: dict[str, Any] = {}
-
-    def one_step(arrays: list[list[Any]]) -> Any:
-        args = [
-            value if rebuild is None else rebuild(a)
-            for (rebuild, value), a in zip(parts, arrays, strict=True)
-        ]
-        # Only traced values leave the evaluation; the rest (Python values, constants) are
-        # kept as they are, so a Python scalar returned unchanged stays one.
-        leaves, treedef = jax.tree_util.tree_flatten(fn(*args))
-        found["treedef"] = treedef
-        found["leaves"] = leaves
-        traced = [isinstance(x, jax.core.Tracer) for x in leaves]
-        found["traced"] = traced
-        return [x for x, t in zip(leaves, traced, strict=True) if t]
-
-    abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
-    leaves = [
-        next(abstract) if t else x for x, t in zip(found["leaves"], found["traced"], strict=True)
-    ]
-    return found["treedef"].unflatten(leaves)
-
-
-def _positions(first: Any, out: Any) -> list[Any]:
-    if first is None or first.kind == "none":
-        return []
-    if first.kind == "single":
-        return [out]
-    return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
-
-
-def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
-    """(tree structure, per leaf: shape and dtype, "scalar" or the static value)."""
-    leaves, treedef = jax.tree_util.tree_flatten(value)
-    sig: list[Any] = []
-    for x in leaves:
-        if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
-            sig.append((tuple(np.shape(x)), _canonical(x.dtype)))
-        elif isinstance(x, _SCALARS):
-            sig.append("scalar")
-        else:
-            sig.append(("static", _static(x)))
-    return treedef, tuple(sig)
-
-
-def _canonical(dtype: Any) -> Any:
-    """The dtype as JAX computes with it (NumPy float64 is float32 without x64); PRNG key
-    dtypes as they are."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except (TypeError, ValueError):
-        return dtype
-
-
-def _static(x: Any) -> Any:
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return id(x)
-
-
-def _same_value(arg: Any, out: Any) -> bool:
-    (t1, s1), (t2, s2) = _signature(arg), _signature(out)
-    if t1 != t2:
-        return False
-    for a, b in zip(s1, s2, strict=True):
-        if a == b:
-            continue
-        scalar_like = {a, b} - {"scalar"}
-        if "scalar" in (a, b) and len(scalar_like) == 1:
-            other = scalar_like.pop()
-            if isinstance(other, tuple) and len(other) == 2 and other[0] == ():
-                continue  # a Python scalar that comes back as a 0-d array
-        return False
-    return True
-
-
 def _match(
     analysis: Analysis,
     params: tuple[str, ...],
@@ -586,7 +322,7 @@ def _match(
             pos
             for pos in positions
             if (not bare or p in declared or pos == rank.get(p))
-            and _same_value(values[p], outputs[pos])
+            and same_value(values[p], outputs[pos])
         ]
     matched: dict[str, tuple[int, str]] = {}
     # One parameter for one position: settled. Repeat while that frees others.
@@ -639,16 +375,15 @@ def _to_array(
     structure every step. Scalars that come back unchanged stay static."""
     state = roles.state
     has_scalars = [
-        p in positions
-        and any(isinstance(x, _SCALARS) for x in jax.tree_util.tree_leaves(values[p]))
+        p in positions and any(isinstance(x, SCALARS) for x in jax.tree_util.tree_leaves(values[p]))
         for p in state
     ]
     if not any(has_scalars):
         return ((),) * len(state)
     first = analysis.returns[0] if analysis.returns else None
     if out is None:
-        out = _eval_one_step(fn, roles.params, values, for_eval, num_steps)
-    outputs = _positions(first, out)
+        out = eval_one_step(fn, roles.params, values, for_eval, num_steps)
+    outputs = positions_of(first, out)
     result: list[tuple[int, ...]] = []
     for p, scalars in zip(state, has_scalars, strict=True):
         if not scalars or not outputs:
@@ -663,7 +398,7 @@ def _to_array(
             tuple(
                 i
                 for i, (a, b) in enumerate(zip(ins, outs, strict=True))
-                if isinstance(a, _SCALARS)
+                if isinstance(a, SCALARS)
                 and (isinstance(b, jax.ShapeDtypeStruct) or (type(b), b) != (type(a), a))
             )
         )

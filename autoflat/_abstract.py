@@ -1,0 +1,150 @@
+"""One step evaluated abstractly, and abstract values compared: what state matching reads.
+
+- **One step's abstract output** (`eval_one_step`): the step traced under `jax.eval_shape` (no
+  compile) with each argument as its role gives it: static ones as they are, per-step ones
+  without their leading axis (with one step a call, as they are, Python numbers traced as
+  `jax.jit` traces them), the rest as ShapeDtypeStructs. Only traced values leave the
+  evaluation, so a Python value the step returns unchanged stays one. `positions_of` splits it
+  into its return positions.
+- **Abstract values compared** (`same_value`): the same tree structure, and per leaf the same
+  shape and dtype as JAX computes with it (NumPy float64 is float32 without x64), the same
+  static value, or a Python scalar that comes back as a 0-d array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._roles import Role
+from ._structure import is_array
+
+SCALARS = (bool, int, float, complex)
+
+
+def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple[Any, list[Any]]:
+    """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs, and with
+    `scalars` Python numbers too (weakly typed, as `jax.jit` traces a per-step one)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    treedef_: Any = treedef
+    positions = [
+        i for i, x in enumerate(leaves) if is_array(x) or (scalars and isinstance(x, SCALARS))
+    ]
+    abstract = [
+        jax.ShapeDtypeStruct(
+            np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
+            jax.numpy.result_type(leaves[i]),
+            weak_type=isinstance(leaves[i], SCALARS),
+        )
+        for i in positions
+    ]
+
+    def rebuild(arrays: list[Any]) -> Any:
+        full = list(leaves)
+        for i, a in zip(positions, arrays, strict=True):
+            full[i] = a
+        return treedef_.unflatten(full)
+
+    return rebuild, abstract
+
+
+def eval_one_step(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+) -> Any:
+    """The abstract value one step returns, for these arguments."""
+    parts = []
+    for p in params:
+        role = roles[p]
+        if role == "static":
+            parts.append((None, values[p]))
+        else:
+            # A per-step input with one step a call goes into `jax.jit` as it is: its Python
+            # numbers are traced.
+            scanned = role == "scanned"
+            parts.append(
+                abstract_leaves(values[p], scanned and num_steps > 1, scanned and num_steps == 1)
+            )
+
+    found: dict[str, Any] = {}
+
+    def one_step(arrays: list[list[Any]]) -> Any:
+        args = [
+            value if rebuild is None else rebuild(a)
+            for (rebuild, value), a in zip(parts, arrays, strict=True)
+        ]
+        # Only traced values leave the evaluation; the rest (Python values, constants) are
+        # kept as they are, so a Python scalar returned unchanged stays one.
+        leaves, treedef = jax.tree_util.tree_flatten(fn(*args))
+        found["treedef"] = treedef
+        found["leaves"] = leaves
+        traced = [isinstance(x, jax.core.Tracer) for x in leaves]
+        found["traced"] = traced
+        return [x for x, t in zip(leaves, traced, strict=True) if t]
+
+    abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
+    leaves = [
+        next(abstract) if t else x for x, t in zip(found["leaves"], found["traced"], strict=True)
+    ]
+    return found["treedef"].unflatten(leaves)
+
+
+def positions_of(first: Any, out: Any) -> list[Any]:
+    if first is None or first.kind == "none":
+        return []
+    if first.kind == "single":
+        return [out]
+    return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
+
+
+def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
+    """(tree structure, per leaf: shape and dtype, "scalar" or the static value)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    sig: list[Any] = []
+    for x in leaves:
+        if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
+            sig.append((tuple(np.shape(x)), _canonical(x.dtype)))
+        elif isinstance(x, SCALARS):
+            sig.append("scalar")
+        else:
+            sig.append(("static", _static(x)))
+    return treedef, tuple(sig)
+
+
+def _canonical(dtype: Any) -> Any:
+    """The dtype as JAX computes with it (NumPy float64 is float32 without x64); PRNG key
+    dtypes as they are."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except (TypeError, ValueError):
+        return dtype
+
+
+def _static(x: Any) -> Any:
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return id(x)
+
+
+def same_value(arg: Any, out: Any) -> bool:
+    (t1, s1), (t2, s2) = _signature(arg), _signature(out)
+    if t1 != t2:
+        return False
+    for a, b in zip(s1, s2, strict=True):
+        if a == b:
+            continue
+        scalar_like = {a, b} - {"scalar"}
+        if "scalar" in (a, b) and len(scalar_like) == 1:
+            other = scalar_like.pop()
+            if isinstance(other, tuple) and len(other) == 2 and other[0] == ():
+                continue  # a Python scalar that comes back as a 0-d array
+        return False
+    return True

@@ -1,0 +1,159 @@
+"""Readings of a first call that autoflat will not choose between: each is an error naming the
+option that settles it, since guessed wrong it trains silently wrong.
+
+- **Leading axes that do not settle an argument's role** (with `num_steps > 1`): an argument
+  whose array leaves have mixed leading axes, and a first call whose only candidates all have
+  a shorter leading axis (a short first chunk, or a full batch reused?). Both wait until state
+  is matched by value (a state argument returned under another name may have leaves of any
+  leading axis) and name `per_step=`, `broadcast=` and `state=`.
+- **Per-step or state?** (with `num_steps > 1`): an argument the body writes into whose arrays
+  all have a leading axis of num_steps (a per-step batch changed locally, or state?), and a
+  per-step-looking container that a return position gives back one step's slice of (state
+  whose first axis happens to be num_steps?). Both name `per_step=` and `state=`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._abstract import abstract_leaves, eval_one_step, positions_of, same_value
+from ._analysis import Analysis
+from ._errors import PER_STEP_OR_STATE, SHORT_FIRST_CHUNK, WRITTEN_PER_STEP, ShapeError, error
+from ._roles import Options, Role
+from ._structure import is_array
+
+
+def check_per_step_returned(
+    analysis: Analysis,
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    kinds: dict[str, tuple[Role, str]],
+    for_eval: dict[str, Role],
+    options: Options,
+    matched: dict[str, tuple[int, str]],
+    open_positions: list[int],
+    first: Any,
+    out: Any,
+    num_steps: int,
+) -> Any:
+    """A container whose every array leaf has a leading axis of num_steps looks per-step; if a
+    return position gives back one step's slice of it (same structure, shapes and dtypes), it
+    may instead be state whose first axis happens to be num_steps (a model with 4 outputs at
+    num_steps=4), returned under another name: sliced per step, it would train silently wrong.
+    The user says which. Returns one step's abstract output (evaluated here if not yet)."""
+    taken = {pos for pos, _ in matched.values()}
+    left = [pos for pos in open_positions if pos not in taken]
+    scanned = [
+        p
+        for p in params
+        if kinds.get(p, ("",))[0] == "scanned"
+        and p not in options.per_step
+        and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
+    ]
+    if not (left and scanned):
+        return out
+    if out is None:
+        try:
+            out = eval_one_step(fn, params, values, for_eval, num_steps)
+        except Exception:
+            return None  # the step's own trace raises it again, with its line
+    outputs = positions_of(first, out)
+    if not outputs:
+        return out
+    for p in scanned:
+        rebuild, abstract = abstract_leaves(values[p], drop_axis=True)
+        sliced = rebuild(abstract)
+        hits = [pos for pos in left if same_value(sliced, outputs[pos])]
+        if hits:
+            raise error(
+                ShapeError,
+                PER_STEP_OR_STATE,
+                analysis,
+                param=p,
+                position=hits[0],
+                num_steps=num_steps,
+            )
+    return out
+
+
+def check_written_per_step(
+    analysis: Analysis,
+    options: Options,
+    returned_at: dict[str, int],
+    mutable: frozenset[str],
+    args: tuple[Any, ...],
+    num_steps: int,
+) -> None:
+    """An argument the body writes into (`batch["x"] = ...`, `batch.update(...)`) is state,
+    carried from step to step and written back. One whose array leaves all have a leading axis
+    of num_steps looks like a per-step input changed locally, as under `jax.jit` (each step
+    would see the whole chunk): the user says which."""
+    written = (set(analysis.assigned) | mutable) - set(returned_at) - options.state
+    written -= options.static | options.broadcast | options.per_step | {options.instance}
+    for p, value in zip(analysis.param_names, args, strict=True):
+        if p not in written:
+            continue
+        leaves = jax.tree_util.tree_leaves(value)
+        if leaves and all(
+            is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves
+        ):
+            line = dict(analysis.assigned_lines).get(p) or next(
+                (ln for q, _, ln in analysis.in_place if q == p), analysis.def_line
+            )
+            raise error(
+                ShapeError, WRITTEN_PER_STEP, analysis, param=p, line=line, num_steps=num_steps
+            )
+
+
+def raise_leading_axis_errors(
+    analysis: Analysis,
+    kinds: dict[str, tuple[Role, str]],
+    deferred: dict[str, Exception],
+    values: dict[str, Any],
+    num_steps: int,
+    options: Options,
+    cause: BaseException | None,
+) -> None:
+    """Raise the first leading-axis error of an argument that is not state: mixed leading
+    axes, or a short first chunk."""
+    found = next((deferred[p] for p in kinds if p in deferred), None)
+    if found is None and num_steps > 1:
+        found = _short_first_chunk(analysis, kinds, values, num_steps, options)
+    if found is not None:
+        raise found from cause
+
+
+def _short_first_chunk(
+    analysis: Analysis,
+    kinds: dict[str, tuple[Role, str]],
+    values: dict[str, Any],
+    num_steps: int,
+    options: Options,
+) -> Exception | None:
+    """A first call with no per-step argument, where an argument's array leaves all share a
+    leading axis shorter than num_steps, is ambiguous: a short first chunk, or a batch reused
+    for every step? The user says which."""
+    if options.per_step or any(role == "scanned" for role, _ in kinds.values()):
+        return None
+    for p, (role, _) in kinds.items():
+        if role != "broadcast":
+            continue
+        arrays = [x for x in jax.tree_util.tree_leaves(values[p]) if is_array(x)]
+        lengths = {np.shape(x)[0] if np.ndim(x) else -1 for x in arrays}
+        if arrays and len(lengths) == 1:
+            (length,) = lengths
+            if 0 < length < num_steps:
+                return error(
+                    ShapeError,
+                    SHORT_FIRST_CHUNK,
+                    analysis,
+                    param=p,
+                    length=length,
+                    num_steps=num_steps,
+                )
+    return None
