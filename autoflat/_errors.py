@@ -375,3 +375,46 @@ autoflat would drop (it compiles the step itself). Remove the inner `jax.jit` an
 autoflat the options it takes: `static_argnames=` for static arguments; autoflat donates the \
 state it produced on its own (`donate=`); shardings come from the arguments you pass.
 """
+
+# autoflat.chunks: about the batches it is given, not about a step function (no {name} or
+# {where}); filled in with `.format` and raised as ShapeError, TypeError or ValueError.
+
+CHUNK_STRUCTURE = """\
+autoflat.chunks: batch {index} has a different tree structure from batch 0: {diff}.
+
+Each chunk stacks every leaf of a batch with the same leaf of the other batches, so every
+batch must have the containers and keys of the first. Make the input yield one structure, for
+example always the same keys of a dict:
+
+    {{"image": image, "label": label}}   # not sometimes {{"image": image}}
+"""
+
+CHUNK_LEAF = """\
+autoflat.chunks: batch {index}, leaf {path}: {got}, but batch 0 had {first}.
+
+Every batch must keep the shapes and dtypes of the first: a chunk is one array per leaf, and a
+step compiled for one shape compiles again for another. Only the final chunk may have fewer
+steps than num_steps. Drop or pad a smaller last batch (`drop_remainder=True` in tf.data,
+`drop_last=True` in a PyTorch DataLoader, `len(x) // batch_size` full batches for NumPy), and
+cast every batch to one dtype.
+"""
+
+CHUNK_LEAF_TYPE = """\
+autoflat.chunks: batch {index}, leaf {path} is {what}, which cannot be stacked into an array.
+
+Every leaf of a batch must be an array (NumPy or JAX) or a Python number. Keep other values
+(names, file paths, metadata) out of the batches given to chunks.
+"""
+
+CHUNK_SHARDING = """\
+autoflat.chunks: cannot place a chunk with {sharding}: {reason}.
+
+Pass the sharding of one step's batch as a NamedSharding, for example
+`NamedSharding(mesh, P("data"))` to split the batch axis over the mesh axis "data"; chunks
+places each chunk with `P(None, "data")`, the per-step axis unsharded.
+"""
+
+CHUNK_SHARDING_TREE = """\
+autoflat.chunks: sharding= must be one Sharding for every leaf, or a pytree of Shardings that
+is a prefix of the batch's structure; {reason}.
+"""

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoflat
-from autoflat import _chunks
+from autoflat import _chunks, _stacking
 
 PRODUCER = "autoflat.chunks producer"
 
@@ -383,9 +383,9 @@ def test_a_pytree_of_shardings():
 def test_chunk_sharding():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     s = NamedSharding(mesh, P("data"), memory_kind=None)
-    assert _chunks.chunk_sharding(s).spec == P(None, "data")
+    assert _stacking.chunk_sharding(s).spec == P(None, "data")
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    assert _chunks.chunk_sharding(single) is single
+    assert _stacking.chunk_sharding(single) is single
 
 
 @needs_8
@@ -393,19 +393,19 @@ def test_global_shape_from_process_local_data():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
     first_half = np.arange(8) < 4  # this "process" holds devices 0-3
     chunk = NamedSharding(mesh, P(None, "data"))
-    assert _chunks.global_shape(chunk, (4, 16, 3), first_half) == (4, 32, 3)
-    assert _chunks.global_shape(chunk, (4, 16, 3), np.ones(8, bool)) == (4, 16, 3)
+    assert _stacking.global_shape(chunk, (4, 16, 3), first_half) == (4, 32, 3)
+    assert _stacking.global_shape(chunk, (4, 16, 3), np.ones(8, bool)) == (4, 16, 3)
     replicated = NamedSharding(mesh, P())
-    assert _chunks.global_shape(replicated, (4, 16, 3), first_half) == (4, 16, 3)
+    assert _stacking.global_shape(replicated, (4, 16, 3), first_half) == (4, 16, 3)
     with pytest.raises(autoflat.ShapeError, match="make it a multiple of 4"):
-        _chunks.global_shape(chunk, (4, 6, 3), first_half)
+        _stacking.global_shape(chunk, (4, 6, 3), first_half)
 
     grid = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     row_0 = np.array([[True] * 4, [False] * 4])  # a process holding every "model" position
     both = NamedSharding(grid, P(None, "data", "model"))
-    assert _chunks.global_shape(both, (4, 8, 12), row_0) == (4, 16, 12)
+    assert _stacking.global_shape(both, (4, 8, 12), row_0) == (4, 16, 12)
     joint = NamedSharding(grid, P(None, ("data", "model")))
-    assert _chunks.global_shape(joint, (4, 8), row_0) == (4, 16)
+    assert _stacking.global_shape(joint, (4, 8), row_0) == (4, 16)
 
 
 @needs_8
@@ -424,7 +424,9 @@ def test_multiprocess_chunks_are_global_arrays(monkeypatch):
 
     monkeypatch.setattr(_chunks, "_is_multiprocess", lambda: True)
     monkeypatch.setattr(
-        _chunks, "global_shape", functools.partial(_chunks.global_shape, local_devices=first_half)
+        _stacking,
+        "global_shape",
+        functools.partial(_stacking.global_shape, local_devices=first_half),
     )
     monkeypatch.setattr(jax, "make_array_from_process_local_data", record)
     batches = [{"x": jnp.full((8, 3), i, jnp.float32)} for i in range(6)]  # JAX, local
