@@ -126,6 +126,8 @@ def describe_change(old: Any, new: Any) -> str:
         return "the sharding of the state"
     if old_spec.layouts != new_spec.layouts:
         return "the packing of the state"
+    if old_spec.links != new_spec.links:
+        return "which Flax NNX Variables the state arguments share"
     if old_shapes != new_shapes:
         return "the shapes, dtypes or weak types of the inputs"
     return "nothing autoflat can see (the jit cache was cleared?)"
