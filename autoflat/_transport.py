@@ -19,16 +19,24 @@ slice carries its offset into every kernel that reads it, which makes each of th
 distinct: that cost ~10 ms per packed leaf and grew to 124 s against 3.9 s at 3,000 leaves.
 So the program never names an offset inside a fused kernel:
 
-- *unpack*: each leaf is a `gather` of one window of the buffer whose start comes from a
-  small non-scalar constant of its own (`[[offset], [offset + 1]]`; only the first window is
-  used). XLA:CPU never fuses non-scalar constants into kernels, so the constant is a kernel
-  argument and the kernels of same-shaped leaves stay identical;
+- *unpack*: each leaf is a `gather` from the buffer whose start indices are a small
+  non-scalar constant of its own: the leaf cut into equal pieces of whole 32-byte vectors,
+  the (pieces, size) result reshaped to the leaf (`_take`); a leaf that cannot be cut so is
+  gathered with an unused second window next to it and sliced out. XLA:CPU never fuses
+  non-scalar constants into kernels, so the constant is a kernel argument and the kernels of
+  same-shaped leaves stay identical;
 - *repack*: one concatenate of hundreds of operands is compiled into one basic block of
   copies, and LLVM's instruction scheduling is quadratic in its size; the leaves are
-  concatenated in runs of 16 to 31, then the runs (`_concatenate`).
+  concatenated in runs (`_concatenate`), then the runs, through an optimization barrier.
 
-Neither changes which computations XLA fuses with which, so a packed step computes the same
-bits as one with a buffer per leaf.
+What remains costs about 0.8 ms of compile time per packed leaf on a 2-core machine (0.25 s
+of CPU for the 300 tiny leaves of the MLP of benchmarks/bench_zoo.py, half in XLA's HLO passes
+over the unpack's gathers, half in compiling the repack's copy kernels). A state packed
+outside a step (its first call) is copied on the host rather than by a program compiled for
+it (`_HOST_CALLS`). Neither the unpack nor the repack changes which computations XLA fuses with
+which, so a packed step computes the same bits as one with a buffer per leaf (the unpack's
+pieces are whole vectors because smaller ones changed how the kernels reading them were
+vectorized, and their last bits).
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ class Layout:
     Buffers are ordered singles first, then one per group. Interned: compare with `is`.
     """
 
-    __slots__ = ("n_leaves", "singles", "groups", "key")
+    __slots__ = ("n_leaves", "singles", "groups", "key", "host_calls")
 
     def __init__(
         self, n_leaves: int, singles: tuple[int, ...], groups: tuple[Group, ...], key: Any
@@ -105,6 +113,8 @@ class Layout:
         self.singles = singles
         self.groups = groups
         self.key = key
+        # [packs, unpacks] done on the host (`pack_on_device`, `unpack_on_device`)
+        self.host_calls = [0, 0]
 
     @property
     def n_buffers(self) -> int:
@@ -200,10 +210,13 @@ def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
     operand with a `memcpy`, all in one basic block; LLVM expands small copies inline and its
     instruction scheduling is quadratic in the size of a block (1,000 leaves of 8 floats took
     about a second). So the parts are concatenated in runs of about `_RUN_BYTES` of such
-    copies, then the runs; each level is reshaped between 1-D and 2-D, else XLA merges nested
-    concatenates back into one. Every run keeps more than 8 parts: XLA fuses a smaller
-    concatenate with the computations that produce its operands, which changes how those
-    compile (and their last bits: packing stays bitwise equal to one buffer per leaf). Parts
+    copies, then the runs, passed through an optimization barrier: else XLA merges nested
+    concatenates back into one, or fuses a concatenate of at most 8 runs into one kernel of
+    unrolled copy loops (the runs were reshaped between 1-D and 2-D before, which XLA fused:
+    0.1 s more compile time for the tiny MLP of benchmarks/bench_zoo.py). Every run keeps
+    more than 8 parts: XLA fuses a smaller concatenate with the computations that produce its
+    operands, which changes how those compile (and their last bits: packing stays bitwise
+    equal to one buffer per leaf). Parts
     that are the program's `inputs` (`pack_on_device`) are first concatenated 8 at a time:
     those are fused kernels, which alike groups of 8 share."""
     total = sum(p.shape[0] for p in parts)
@@ -226,7 +239,8 @@ def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
     if len(runs[-1]) <= _FUSED_RUN:
         last = runs.pop()
         runs[-1].extend(last)
-    pieces = [_reshaped(jax.lax.concatenate(run, 0)) for run in runs]
+    pieces = [jax.lax.concatenate(run, 0) for run in runs]
+    pieces = list(jax.lax.optimization_barrier(pieces))
     return jax.lax.reshape(jax.lax.concatenate(pieces, 0), (total,))
 
 
@@ -242,18 +256,45 @@ _WINDOW = jax.lax.GatherDimensionNumbers(
 
 def _take(buf: Any, offset: int, n: int, shape: tuple[int, ...], total: int) -> Any:
     """`buf[offset : offset + n].reshape(shape)`, without the offset inside a kernel: a gather
-    of the window at `offset` and, unused, of a neighbouring one (a constant of two different
-    values is never folded into a kernel, where a scalar or a splat would be)."""
+    whose start indices are a constant of several different values (one of a single value, a
+    scalar or a splat, would be folded into the kernels reading the leaf; several are kernel
+    arguments, so the kernels of same-shaped leaves stay identical).
+
+    The windows are the leaf cut in `k` equal pieces (`_pieces`), and the gather's (k, n / k)
+    result is the leaf reshaped. A leaf that cannot be cut so (one smaller than two 32-byte
+    vectors, or without such a divisor) is gathered whole with an unused second window next
+    to it and sliced out of the (2, n) result: a slice more in every kernel that reads it."""
     if n == 0:
         return jnp.zeros(shape, buf.dtype)
     if total > _MAX_GATHER_OFFSET:
         return jax.lax.reshape(jax.lax.slice(buf, (offset,), (offset + n,)), shape)
+    k = _pieces(n, buf.dtype.itemsize)
+    if k:
+        starts = np.arange(offset, offset + n, n // k, dtype=np.int32).reshape(k, 1)
+        pieces = jax.lax.gather(buf, starts, _WINDOW, slice_sizes=(n // k,), mode=_IN_BOUNDS)
+        return jax.lax.reshape(pieces, shape)
     other = offset + 1 if offset + n < total else max(offset - 1, 0)
     starts = np.array([[offset], [other]], dtype=np.int32)
-    windows = jax.lax.gather(
-        buf, starts, _WINDOW, slice_sizes=(n,), mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
-    )
+    windows = jax.lax.gather(buf, starts, _WINDOW, slice_sizes=(n,), mode=_IN_BOUNDS)
     return jax.lax.reshape(jax.lax.slice(windows, (0, 0), (1, n)), shape)
+
+
+_IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+# The most pieces `_take` cuts a leaf into (one start index each).
+_MAX_PIECES = 16
+_VECTOR_BYTES = 32
+
+
+def _pieces(n: int, itemsize: int) -> int:
+    """The fewest equal pieces, at least 2 and at most `_MAX_PIECES`, that n elements cut into
+    with each piece a whole number of 32-byte vectors; 0 if none. Smaller pieces change how
+    XLA:CPU vectorizes the kernels that read the leaf (XLA:CPU prefers 256-bit vectors), and
+    with it the last bits of what they compute: a (4,) float32 leaf cut in two differed from
+    one buffer per leaf after one Adam step."""
+    for k in range(2, _MAX_PIECES + 1):
+        if n % k == 0 and (n // k * itemsize) % _VECTOR_BYTES == 0:
+            return k
+    return 0
 
 
 def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
@@ -270,16 +311,84 @@ def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
 _pack_jit = jax.jit(functools.partial(pack, inputs=True), static_argnums=0)
 _unpack_jit = jax.jit(unpack, static_argnums=0)
 
+# `pack_on_device` and `unpack_on_device` copy on the host (NumPy) the first this many times
+# per layout when the arrays are on a CPU device: a step packs its state once, on its first
+# call (later calls get back the packed buffers), and compiling the pack program for that one
+# call cost more than the packing (about 0.1 s for 100 leaves on a 2-core machine, a third of
+# the extra first-call time of packing the tiny-MLP of benchmarks/bench_zoo.py). Past that,
+# the arrays keep coming unpacked, and the compiled program is the faster per call (about
+# 220 µs against 440 µs on the host for 200 leaves).
+_HOST_CALLS = 2
+
+
+def _host_device(layout: Layout, arrays: Sequence[Any], kind: int) -> tuple[Any, bool] | None:
+    """(device, committed) when `arrays` may be copied on the host instead (see
+    `_HOST_CALLS`): all single-device jax.Arrays on one CPU device, in its default memory,
+    none a PRNG key array."""
+    if layout.host_calls[kind] >= _HOST_CALLS:
+        return None
+    device, committed = None, False
+    for a in arrays:
+        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+            return None
+        if not _packable_dtype(a.dtype):  # PRNG keys: no NumPy copy
+            return None
+        sharding = a.sharding
+        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+            return None
+        d: Any = next(iter(sharding.device_set))
+        if d.platform != "cpu" or sharding.memory_kind not in (None, "device"):
+            return None
+        if device is None:
+            device = d
+        elif d != device:
+            return None
+        committed = committed or a.committed
+    if device is None:
+        return None
+    layout.host_calls[kind] += 1
+    return device, committed
+
+
+def _put(arrays: list[np.ndarray], device: Any, committed: bool) -> list[Any]:
+    # as `jax.jit` places its outputs: on the arguments' device, committed if one of them is
+    return jax.device_put(arrays, device if committed else None)
+
 
 def pack_on_device(layout: Layout, arrays: Sequence[Any]) -> list[Any]:
-    """Pack on the host's behalf: one device call; the buffers are fresh (never aliases of
-    `arrays`), so they may be donated."""
-    return list(_pack_jit(layout, list(arrays)))
+    """Pack on the host's behalf: one device call (a copy on the host the first times, see
+    `_HOST_CALLS`); the buffers are fresh (never aliases of `arrays`), so they may be
+    donated."""
+    where = _host_device(layout, arrays, 0)
+    if where is None:
+        return list(_pack_jit(layout, list(arrays)))
+    # copies, as the compiled program's outputs are: never sharing memory with `arrays`
+    singles = [np.array(arrays[i]) for i in layout.singles]
+    packed = [
+        np.concatenate([np.asarray(arrays[i], g.dtype).reshape(-1) for i in g.indices])
+        for g in layout.groups
+    ]
+    return _put(singles + packed, *where)
 
 
 def unpack_on_device(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
-    """Unpack for a rebuild outside a trace: one device call."""
-    return list(_unpack_jit(layout, list(buffers)))
+    """Unpack for a rebuild outside a trace: one device call (a copy on the host the first
+    times, see `_HOST_CALLS`)."""
+    where = _host_device(layout, buffers, 1)
+    if where is None:
+        return list(_unpack_jit(layout, list(buffers)))
+    # copies, as the compiled program's outputs are: the buffers may be donated to a step
+    leaves = [np.array(b) for b in buffers[: len(layout.singles)]]
+    places = list(layout.singles)
+    for g, buf in zip(layout.groups, buffers[len(layout.singles) :], strict=True):
+        host = np.asarray(buf)
+        for i, off, n, shape in zip(g.indices, g.offsets, g.sizes, g.shapes, strict=True):
+            leaves.append(host[off : off + n].reshape(shape).copy())
+            places.append(i)
+    arrays: list[Any] = [None] * layout.n_leaves
+    for i, x in zip(places, _put(leaves, *where), strict=True):
+        arrays[i] = x
+    return arrays
 
 
 def mode_for(mode: PackMode, written_back: bool) -> PackMode:

@@ -148,9 +148,51 @@ def test_unpack_and_repack_are_exact_for_any_number_of_leaves(n):
     assert [x.shape for x in _transport.unpack_on_device(layout, [buf])] == shapes
     for x, y in zip(_transport.unpack_on_device(layout, [buf]), leaves, strict=True):
         np.testing.assert_array_equal(x, y)
+    # the compiled programs that take over from the host copies (`_HOST_CALLS`)
+    (compiled,) = _transport._pack_jit(layout, leaves)
+    np.testing.assert_array_equal(compiled, buf)
+    for x, y in zip(_transport._unpack_jit(layout, [buf]), leaves, strict=True):
+        assert x.shape == y.shape
+        np.testing.assert_array_equal(x, y)
     # inside a program, where the repack runs in pieces
     twice = jax.jit(lambda b: _transport.pack(layout, _transport.unpack(layout, [b * 2]))[0])
     np.testing.assert_array_equal(twice(buf), buf * 2)
+
+
+def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypatch):
+    # A step packs its state once, on its first call: on a CPU device, that copy is made on
+    # the host rather than by a program compiled for it; the compiled one takes over when the
+    # same layout keeps being packed.
+    shapes = [(4, 4), (4,), (), (2, 3)] * 10
+    leaves = [jnp.full(s, float(i)) for i, s in enumerate(shapes)]
+    layout = _transport.layout_for([(s, jnp.float32) for s in shapes], [False] * 40, True)
+    compiled = []
+    real = _transport._pack_jit
+    monkeypatch.setattr(_transport, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
+    expected = np.concatenate([np.ravel(x) for x in leaves])
+    for i in range(_transport._HOST_CALLS + 2):
+        (buf,) = _transport.pack_on_device(layout, leaves)
+        np.testing.assert_array_equal(buf, expected)
+        assert buf.dtype == jnp.float32 and not buf.committed
+        assert len(compiled) == max(0, i + 1 - _transport._HOST_CALLS)
+    # fresh buffers, placed as `jax.jit` places its outputs: committed if an input is
+    device = jax.devices()[-1]
+    committed = [jax.device_put(x, device) for x in leaves]
+    big = jax.device_put(jnp.arange(1000.0), device)  # over the "auto" limit: travels alone
+    avals = [((1000,), jnp.float32)] + [(s, jnp.float32) for s in shapes]
+    layout = _transport.layout_for(avals, [False] * 41, "auto")
+    assert layout.singles == (0,)
+    layout.host_calls[:] = [0, 0]
+    buffers = _transport.pack_on_device(layout, [big, *committed])
+    assert all(b.committed and b.devices() == {device} for b in buffers)
+    pointers = {x.unsafe_buffer_pointer() for x in [big, *committed]}
+    assert not pointers & {b.unsafe_buffer_pointer() for b in buffers}
+    unpacked = _transport.unpack_on_device(layout, buffers)
+    assert all(x.committed and x.devices() == {device} for x in unpacked)
+    for b in buffers:
+        b.delete()  # as donating them to a step would: the unpacked leaves are copies
+    for x, y in zip(unpacked, [big, *leaves], strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def test_packed_leaves_compile_to_the_kernels_of_flat_leaves():
