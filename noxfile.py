@@ -43,9 +43,10 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("pack", ["on", "auto"])
+@nox.parametrize("pack", ["off", "on"])
 def tests_pack(session: nox.Session, pack: str) -> None:
-    """The test suite with packed transport (`pack=True` or `"auto"`) as the default."""
+    """The test suite with another transport as the default: one buffer per leaf (`off`,
+    `pack=False`) or every leaf packed (`on`, `pack=True`); `tests` runs `"auto"`."""
     session.install("-e", ".[tests]")
     session.env["AUTOFLAT_PACK"] = pack
     session.run("python", "-m", "pytest", "-m", "not slow", "tests", *session.posargs)

@@ -106,14 +106,17 @@ def step(
       with other trees in multi-tree pytree operations (`jax.tree.map(f, a, b)`,
       `optax.apply_updates`, `eqx.partition`), which cannot accept a handle in place of the
       real type.
-    - `pack`: how state leaves travel across `jax.jit`. `False` (the default): one buffer per
-      array leaf. `True`: every array leaf that is not sharded over several devices (and not a
-      PRNG key) is packed, per dtype, into one contiguous buffer. `"auto"`: only leaves of at
-      most 512 elements are packed; larger ones (weights) keep their own buffers. Fewer
-      buffers means less host time per call; packing costs device copies in and out of the
-      buffers, and a longer first compile (each packed leaf gets kernels of its own, where XLA
-      would compile the kernels of same-shaped flat leaves once). See docs/performance.md.
+    - `pack`: how state leaves travel across `jax.jit`. `"auto"` (the default): leaves of at
+      most 512 elements are packed, per dtype, into one contiguous buffer when a state holds
+      at least 32 of them; larger leaves (weights) keep their own buffers, and so does state
+      written back into the caller's objects (Flax NNX mutation style). `False`: one buffer
+      per array leaf. `True`: every array leaf that is not sharded over several devices (and
+      not a PRNG key) is packed. Fewer buffers means less host time per call; packing costs
+      device copies in and out of the buffers and a somewhat longer first compile. Results
+      are those of one buffer per leaf (bitwise on the test suite's models; XLA may compile a
+      packed program with other fusions, and so other last bits). See docs/performance.md.
       The environment variable `AUTOFLAT_PACK` (`off`, `on` or `auto`) sets the default.
+      Shared Flax NNX Variables travel one buffer per leaf under every mode.
 
     **Returns:**
 
@@ -157,8 +160,8 @@ def step(
 
 
 def default_pack() -> Any:
-    """`pack=` when the decorator does not say: from `AUTOFLAT_PACK`, else False."""
-    mode = os.environ.get("AUTOFLAT_PACK", "off")
+    """`pack=` when the decorator does not say: from `AUTOFLAT_PACK`, else "auto"."""
+    mode = os.environ.get("AUTOFLAT_PACK", "auto")
     try:
         return {"off": False, "on": True, "auto": "auto"}[mode]
     except KeyError:

@@ -80,7 +80,7 @@ class Step:
         donate: bool | Literal["always"] = True,
         unroll: int | bool = 1,
         lazy: bool = True,
-        pack: PackMode = False,
+        pack: PackMode = "auto",
     ) -> None:
         if isinstance(fn, (staticmethod, classmethod)):
             # `@autoflat.step` above `@staticmethod`: the binding would go wrong later.

@@ -10,7 +10,7 @@ b. a tiny MLP of 50 layers of 4x4 weights and biases (301 state arrays with Adam
 c. a wide MLP of 8.5M parameters (two 2048x2048 layers; 25 state arrays with Adam);
 d. a small transformer as a dict of arrays: token and position embeddings, 6 pre-norm blocks
    (LayerNorm scales and biases, attention and MLP weights with biases), a final LayerNorm
-   and a head (115 parameter arrays, 346 with Adam);
+   and a head (78 parameter arrays, 235 with Adam);
 e. the Flax NNX narrow ResNet50 of `nnx_models.py` with `nnx.Optimizer`, mutation style (the
    caller's model and optimizer passed every call and updated in place, as with `nnx.jit`).
 

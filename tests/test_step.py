@@ -98,6 +98,10 @@ def test_messages_name_the_step_by_qualname_and_location():
 
 
 def test_pack_default_from_the_environment(monkeypatch):
+    monkeypatch.delenv("AUTOFLAT_PACK", raising=False)
+    assert autoflat.step(accumulate).pack == "auto"  # the default
+    monkeypatch.setenv("AUTOFLAT_PACK", "on")
+    assert autoflat.step(accumulate).pack is True
     monkeypatch.setenv("AUTOFLAT_PACK", "auto")
     assert autoflat.step(accumulate).pack == "auto"
     assert autoflat.step(accumulate, pack=False).pack is False  # the option wins
