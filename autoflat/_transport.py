@@ -132,6 +132,16 @@ _lock = threading.Lock()
 _interned: dict[Any, Layout] = {}
 
 
+def _computed(dtype: Any) -> Any:
+    """The dtype JAX computes a leaf in (a NumPy float64 is float32 without x64, as `jax.jit`
+    makes it), so a packed buffer is never asked for a dtype JAX would truncate; PRNG key
+    dtypes as they are."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except (TypeError, ValueError):
+        return dtype
+
+
 def _packable_dtype(dtype: Any) -> bool:
     return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
@@ -408,7 +418,7 @@ def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout
     if not mode:
         return None
     avals = [
-        (tuple(np.shape(a)), jnp.result_type(a) if not hasattr(a, "dtype") else a.dtype)
+        (tuple(np.shape(a)), _computed(jnp.result_type(a) if not hasattr(a, "dtype") else a.dtype))
         for a in arrays
     ]
     multi = (
