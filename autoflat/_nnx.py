@@ -317,8 +317,9 @@ class Link:
 def links_of(program: Any, variables: dict[int, list[Any]]) -> tuple[Link | None, ...] | None:
     """Per state position, how it shares Variables (None where it does not), or None when no
     Variable is reachable twice. Sharing is supported between Flax NNX objects written back
-    into the caller's objects whose Variables line up with their leaves (`variables_of`);
-    elsewhere it raises (a returned object would come back as two copies)."""
+    into the caller's objects whose Variables line up with their leaves; `variables_of` has
+    raised already for sharing anywhere else (a returned object would come back as two
+    copies)."""
     first: dict[int, tuple[int, int]] = {}
     imports: dict[int, list[tuple[int, int, int]]] = {}
     exporters: set[int] = set()
