@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from ._roles import Role
-from ._structure import is_array
+from ._structure import computed_dtype, is_array
 
 SCALARS = (bool, int, float, complex)
 
@@ -109,21 +109,12 @@ def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
     sig: list[Any] = []
     for x in leaves:
         if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):
-            sig.append((tuple(np.shape(x)), _canonical(x.dtype)))
+            sig.append((tuple(np.shape(x)), computed_dtype(x.dtype)))
         elif isinstance(x, SCALARS):
             sig.append("scalar")
         else:
             sig.append(("static", _static(x)))
     return treedef, tuple(sig)
-
-
-def _canonical(dtype: Any) -> Any:
-    """The dtype as JAX computes with it (NumPy float64 is float32 without x64); PRNG key
-    dtypes as they are."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except (TypeError, ValueError):
-        return dtype
 
 
 def _static(x: Any) -> Any:

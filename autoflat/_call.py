@@ -30,14 +30,16 @@ import jax
 import jax.numpy as jnp
 
 from . import _nnx, _transport, _writeback
+from ._entry import relinked
 from ._errors import BAD_CALL, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
 from ._launch import donates
-from ._program import CallSpec, Program, instance_attributes, relinked
+from ._program import CallSpec, Program, instance_attributes
 from ._structure import (
     FlatState,
     Placement,
     Structure,
+    computed_dtype,
     flatten,
     intern,
     is_array,
@@ -96,16 +98,7 @@ def copy_leaves(arrays: list[Any]) -> list[Any]:
     """Fresh buffers with the same values and placement (so donation never touches the
     caller's own arrays). Weak types are dropped: a step's outputs are strongly typed, so a
     weakly typed start (`jnp.full((3,), 1.0)`) would otherwise compile the step twice."""
-    return [jnp.array(a, dtype=_computed_dtype(a.dtype), copy=True) for a in arrays]
-
-
-def _computed_dtype(dtype: Any) -> Any:
-    """The dtype JAX computes with (a NumPy float64 is float32 without x64, as `jax.jit` makes
-    it, silently); PRNG key dtypes as they are."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except (TypeError, ValueError):
-        return dtype
+    return [jnp.array(a, dtype=computed_dtype(a.dtype), copy=True) for a in arrays]
 
 
 def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:

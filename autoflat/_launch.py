@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from . import _loading
+from ._entry import calls_back
 from ._errors import NOT_AN_ARRAY, CallError, error
 from ._handles import LazyHandle
-from ._program import CallSpec, calls_back
+from ._program import CallSpec
 from ._structure import is_array
 
 if TYPE_CHECKING:

@@ -1,28 +1,23 @@
-"""Programs, call specs, the spec cache, and the traced entry that `jax.jit` compiles.
+"""Programs, call specs and the spec cache, and the static key of a method's instance.
 
 A `Program` is one generated, loaded function for one set of roles (`Programs` keeps a step's
 programs: the one from the source and options, and one per set of Flax NNX modules that a
 call passes as per-step inputs). A `CallSpec` is everything static about a call: the program,
 the structures, placements and layouts of the state, the broadcast structures, the static
 arguments. It is interned by `SpecCache` and is the static argument of the step's single
-`jax.jit` of `entry`, so JAX's own cache gives one compile per distinct (spec, input shapes).
-
-`entry` is what is traced: it unpacks the state, runs the generated function, pins each
-state output to its input's sharding, strips weak types (so the next call does not compile
-again), and packs the state again when the transport packs it.
+`jax.jit` of `_entry.entry`, so JAX's own cache gives one compile per distinct (spec, input
+shapes).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from . import _loading, _transport
+from . import _loading
 from ._analysis import Analysis
 from ._codegen import GeneratedCode, generate
 from ._errors import UNHASHABLE_STATIC, CallError, Location, error
@@ -30,8 +25,8 @@ from ._handles import LazyHandle
 from ._infer import arg_kinds, infer
 from ._nnx import Link
 from ._roles import Options, Roles, assign_roles
-from ._structure import FlatState, Placement, Structure, is_array
-from ._tracing import HELPERS, linking
+from ._structure import Placement, Structure, is_array
+from ._tracing import HELPERS
 from ._transport import Layout, PackMode
 
 
@@ -271,129 +266,6 @@ class SpecCache:
 
     def clear(self) -> None:
         self._specs.clear()
-
-
-def entry(
-    note_trace: Callable[[CallSpec, Any], None] | None,
-    spec: CallSpec,
-    state_leaves: tuple[list[Any], ...],
-    xs: tuple[Any, ...],
-    bcast_leaves: tuple[list[Any], ...],
-    *,
-    repack: bool = True,
-) -> Any:
-    """The traced function: leaves in, leaves and stacked outputs out (see the module doc).
-
-    `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static."""
-    if note_trace is not None:
-        note_trace(spec, (state_leaves, xs, bcast_leaves))
-    state = tuple(
-        FlatState(s, a if layout is None else _transport.unpack(layout, a))
-        for s, a, layout in zip(spec.structures, state_leaves, spec.layouts, strict=True)
-    )
-    if spec.links is not None:
-        state = _linked(spec.links, state)
-    bcast = tuple(FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True))
-    with linking():
-        state_out, outputs = spec.program.fn(spec, state, xs, bcast)
-    leaving = tuple(_leaving(spec, k, flat, repack) for k, flat in enumerate(state_out))
-    if spec.links is not None:
-        # A shared Variable's new value leaves once, with the argument it came in with.
-        leaving = tuple(
-            flat if link is None else FlatState(flat.structure, link.drop(flat.arrays))
-            for flat, link in zip(leaving, spec.links, strict=True)
-        )
-    return leaving, outputs
-
-
-def _linked(links: tuple[Link | None, ...], state: tuple[FlatState, ...]) -> tuple[FlatState, ...]:
-    """The state with the leaves it shares filled in and its links set (see `_nnx.Link`)."""
-    full: list[list[Any]] = []
-    out = []
-    for flat, link in zip(state, links, strict=True):
-        arrays = flat.arrays if link is None else link.expand(flat.arrays, full)
-        full.append(arrays)
-        out.append(FlatState(flat.structure, arrays, None, link))
-    return tuple(out)
-
-
-def relinked(spec: CallSpec, state_out: tuple[FlatState, ...]) -> tuple[FlatState, ...]:
-    """A launch's state outputs with the shared leaves filled in again (the host side of
-    `entry`'s `link.drop`)."""
-    if spec.links is None:
-        return state_out
-    full: list[list[Any]] = []
-    out = []
-    for flat, link in zip(state_out, spec.links, strict=True):
-        if link is not None and link.imports:
-            flat = FlatState(flat.structure, link.expand(flat.arrays, full))
-        full.append(flat.arrays)
-        out.append(flat)
-    return tuple(out)
-
-
-def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState:
-    """State output `k` as it leaves the program: pinned, strongly typed, packed."""
-    placement = spec.placements[k]
-    same = flat.structure is spec.structures[k]
-    arrays = flat.arrays
-    if placement is not None and same:
-        arrays = [
-            a if s is None else jax.lax.with_sharding_constraint(a, s)
-            for a, s in zip(arrays, placement.shardings, strict=True)
-        ]
-    # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
-    # call's input differ from this one's and compile the step again.
-    arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
-    written_back = any(j == k for j, _ in spec.program.written_back_idx)
-    linked = spec.links is not None and spec.links[k] is not None
-    pack = not linked and _transport.mode_for(spec.pack, written_back)
-    if repack and pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
-        # Back into buffers of the same layout (a new one if the structure changed).
-        multi = (
-            [s is not None for s in placement.shardings]
-            if placement is not None and same
-            else [False] * len(arrays)
-        )
-        avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in arrays]
-        layout = _transport.layout_for(avals, multi, pack)
-        if layout is not None:
-            return FlatState(flat.structure, _transport.pack(layout, arrays), layout)
-    return FlatState(flat.structure, arrays)
-
-
-def _weak(a: Any) -> bool:
-    return bool(getattr(getattr(a, "aval", None), "weak_type", False))
-
-
-# Primitives that run Python on the host while the program runs: it can fail there, after
-# the inputs were donated (`jax.pure_callback`, `io_callback`, `jax.debug.callback`/`print`,
-# and what builds on them: `eqx.error_if`, host-side checks).
-_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
-
-
-def calls_back(jaxpr: Any) -> bool:
-    """Whether a (closed) jaxpr, or any jaxpr inside it, calls back to the host."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CALLBACKS:
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and calls_back(inner):
-                    return True
-    return False
-
-
-def jitted(note_trace: Callable[[CallSpec, Any], None], donate: Any) -> tuple[Any, Any]:
-    """A step's `jax.jit`s of `entry`, spec static: the one it runs (state leaves donated if
-    `donate`) and, with `donate=True`, one that does not donate, for programs that must keep
-    their inputs (`_launch.runner`). Both wrap the same function, so JAX traces a spec once for
-    the two."""
-    fn = functools.partial(entry, note_trace)
-    jit = jax.jit(fn, static_argnums=0, donate_argnums=(1,) if donate else ())
-    return jit, jax.jit(fn, static_argnums=0) if donate is True else None
 
 
 _MISSING = object()

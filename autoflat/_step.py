@@ -23,6 +23,7 @@ from . import _caches
 from ._analysis import analyse
 from ._call import finish, prepare
 from ._diagnostics import Diagnostics, Stats
+from ._entry import entry, jitted, relinked
 from ._errors import (
     BAD_FLAG,
     BAD_NAMES,
@@ -40,7 +41,7 @@ from ._errors import (
 from ._handles import LazyHandle, Origin
 from ._launch import launch, runner
 from ._nnx import NnxState, take_graph_cache
-from ._program import Program, Programs, SpecCache, entry, jitted, relinked
+from ._program import Program, Programs, SpecCache
 from ._roles import Options
 from ._source import unwrap_function
 from ._stages import Lowered, Traced

@@ -179,6 +179,15 @@ class Placement:
     shardings: tuple[Any, ...]
 
 
+def computed_dtype(dtype: Any) -> Any:
+    """The dtype JAX computes with (a NumPy float64 is float32 without x64, as `jax.jit`
+    makes it, silently); PRNG key dtypes as they are."""
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except (TypeError, ValueError):
+        return dtype
+
+
 def placement_of(arrays: Sequence[Any]) -> Placement | None:
     """None when no leaf spans several devices (nothing to pin), else per-leaf shardings."""
     shardings: list[Any] = []

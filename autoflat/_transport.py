@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _caches
+from ._structure import computed_dtype
 
 PackMode = Literal[False, True, "auto"]
 
@@ -130,16 +131,6 @@ class Layout:
 
 _lock = threading.Lock()
 _interned: dict[Any, Layout] = {}
-
-
-def _computed(dtype: Any) -> Any:
-    """The dtype JAX computes a leaf in (a NumPy float64 is float32 without x64, as `jax.jit`
-    makes it), so a packed buffer is never asked for a dtype JAX would truncate; PRNG key
-    dtypes as they are."""
-    try:
-        return jax.dtypes.canonicalize_dtype(dtype)
-    except (TypeError, ValueError):
-        return dtype
 
 
 def _packable_dtype(dtype: Any) -> bool:
@@ -418,7 +409,10 @@ def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout
     if not mode:
         return None
     avals = [
-        (tuple(np.shape(a)), _computed(jnp.result_type(a) if not hasattr(a, "dtype") else a.dtype))
+        (
+            tuple(np.shape(a)),
+            computed_dtype(jnp.result_type(a) if not hasattr(a, "dtype") else a.dtype),
+        )
         for a in arrays
     ]
     multi = (
