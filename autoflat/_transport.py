@@ -194,8 +194,12 @@ def layout_for(
 
 def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[Any]:
     """Leaves -> buffers (traceable). `inputs`: the leaves are the program's own inputs (as
-    in `pack_on_device`), not computed by it."""
+    in `pack_on_device`), not computed by it: then the buffers' weak types are dropped, as the
+    host copy and the step's own outputs drop them (a weakly typed buffer, from a
+    `jnp.full((8,), 1.0)` leaf or a `jnp.array(0)` single, would compile the step twice)."""
     out = [arrays[i] for i in layout.singles]
+    if inputs:
+        out = [_strong(x) for x in out]
     for g in layout.groups:
         flat = []
         for i in g.indices:
@@ -203,8 +207,14 @@ def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[An
             if x.dtype != g.dtype:
                 x = jax.lax.convert_element_type(x, g.dtype)
             flat.append(jax.lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
-        out.append(_concatenate(flat, inputs))
+        buf = _concatenate(flat, inputs)
+        out.append(_strong(buf) if inputs else buf)
     return out
+
+
+def _strong(x: Any) -> Any:
+    weak = getattr(getattr(x, "aval", None), "weak_type", False)
+    return jax.lax.convert_element_type(x, x.dtype) if weak else x
 
 
 def _concatenate(parts: list[Any], inputs: bool = False) -> Any:

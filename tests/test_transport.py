@@ -195,6 +195,26 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
         np.testing.assert_array_equal(x, y)
 
 
+def test_a_weakly_typed_single_compiles_the_step_once_whichever_copy_packs_it():
+    # The first packs of a layout are host copies, which drop weak types; the compiled pack
+    # that takes over must drop them too, or the step compiles again for `jnp.array(0)`.
+    def update(state, g):
+        count, xs = state
+        state = (count + 1, [x * 0.99 + g for x in xs])
+        return state
+
+    step = autoflat.step(update, pack="auto")
+    for _ in range(_transport._HOST_CALLS + 2):
+        # a fresh state every call: each call packs the caller's arrays
+        state = (jnp.array(0), [jnp.full((8,), 1.0) for _ in range(40)])
+        assert state[0].weak_type
+        count, xs = step(state, 0.5)
+        assert int(count) == 1 and not count.weak_type
+        np.testing.assert_allclose(xs[3], np.full(8, 1.49), rtol=1e-6)
+    stats = autoflat.stats(step)
+    assert stats.traces == 1 and stats.copies == _transport._HOST_CALLS + 2, stats
+
+
 def test_packed_leaves_compile_to_the_kernels_of_flat_leaves():
     # A leaf read at a static offset of the packed buffer made every kernel reading it
     # distinct: XLA:CPU compiled one kernel per packed leaf instead of one per distinct
