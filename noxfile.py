@@ -43,12 +43,10 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("pack", ["off"])
+@nox.parametrize("pack", ["off", "on"])
 def tests_pack(session: nox.Session, pack: str) -> None:
-    """The test suite with one buffer per leaf (`AUTOFLAT_PACK=off`, `pack=False`) as the
-    default transport; `tests` runs `"auto"`. (`on`, every leaf packed, is not a session: the
-    suite's corpus tolerances and the multi-process tests of the `"auto"` rule do not hold
-    under it; see docs/performance.md.)"""
+    """The test suite with another default transport than `tests`' `"auto"`: one buffer per
+    leaf (`off`, `pack=False`) or every leaf packed (`on`, `pack=True`)."""
     session.install("-e", ".[tests]")
     session.env["AUTOFLAT_PACK"] = pack
     session.run("python", "-m", "pytest", "-m", "not slow", "tests", *session.posargs)

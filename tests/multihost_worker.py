@@ -23,7 +23,7 @@ Cases (`CASES`):
 - `chunks`: the `dp` run fed by `autoflat.chunks` from each process's half of every batch.
 
 Each of `dp`, `fsdp` and `nnx` runs at `num_steps=1` (one call per step, the default
-transport) and at `num_steps=4` with packed transport (`pack=True`: a chunk of 4 steps, then
+`pack="auto"`) and at `num_steps=4` with packed transport (`pack=True`: a chunk of 4 steps, then
 the shorter final chunk of 2), so the packing check has something it could get wrong.
 """
 
@@ -306,8 +306,9 @@ def _store(results: Results, prefix: str, leaves: list[Any], losses: list[Any], 
 def make_step(fn: Callable[..., Any], num_steps: int) -> autoflat.Step:
     """One autoflat step per function and `num_steps`, shared by the cases (a case on another
     mesh compiles it again; one on the same mesh, as `chunks` after `dp`, does not).
-    `num_steps > 1` packs state (`pack=True`); 1 uses the default transport."""
-    return autoflat.step(fn, num_steps=num_steps, pack=True if num_steps > 1 else None)
+    `num_steps > 1` packs state (`pack=True`); 1 uses the default rule (`pack="auto"`, named
+    so that the check holds whatever `AUTOFLAT_PACK` says)."""
+    return autoflat.step(fn, num_steps=num_steps, pack=True if num_steps > 1 else "auto")
 
 
 def run_functional(case: str, mesh: Mesh, num_steps: int, results: Results, checks: Checks) -> None:

@@ -115,7 +115,24 @@ CASES: dict[str, Case] = {
     ),
     # Equinox
     "eqx_mnist": Case("equinox", "make_step", eqx.filter_jit),
-    "eqx_stateful": Case("equinox", "make_step", eqx.filter_jit, ignore=(_EQX_BATCHNORM_MODE,)),
+    "eqx_stateful": Case(
+        "equinox",
+        "make_step",
+        eqx.filter_jit,
+        ignore=(_EQX_BATCHNORM_MODE,),
+        # The SpectralNorm layer's bias feeds a ReLU and a BatchNorm: at the first step three
+        # of its 32 elements have gradients of float noise (0, 3.7e-9, -1.2e-8 against a
+        # median of 4e-3), and Adam's first update moves each by up to the learning rate
+        # (3e-4) whatever its noise. A program XLA compiles with other fusions (every leaf
+        # packed, `AUTOFLAT_PACK=on`) ends those three up to 9e-5 from upstream's after 8
+        # steps, and through them 151 more elements (the layers after it, their Adam
+        # moments) up to 3e-5: 154 of the state's 4,167 elements past the usual tolerance.
+        # Bound: 8 steps of the learning rate for every element, at most 5% of them past the
+        # usual tolerance (as eqx_dcgan).
+        rtol=0.0,
+        atol=8 * 3e-4,
+        outliers=0.05,
+    ),
     "eqx_frozen_layer": Case("equinox", "make_step", eqx.filter_jit),
     # ~10 s; plain filter_value_and_grad + optax as eqx_mnist: in the slow suite
     "eqx_train_rnn": Case("equinox", "make_step", eqx.filter_jit, slow_ks=KS),
