@@ -182,17 +182,22 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
     avals = [((1000,), jnp.float32)] + [(s, jnp.float32) for s in shapes]
     layout = _transport.layout_for(avals, [False] * 41, "auto")
     assert layout.singles == (0,)
-    layout.host_calls[:] = [0, 0]
-    buffers = _transport.pack_on_device(layout, [big, *committed])
-    assert all(b.committed and b.devices() == {device} for b in buffers)
-    pointers = {x.unsafe_buffer_pointer() for x in [big, *committed]}
-    assert not pointers & {b.unsafe_buffer_pointer() for b in buffers}
-    unpacked = _transport.unpack_on_device(layout, buffers)
-    assert all(x.committed and x.devices() == {device} for x in unpacked)
-    for b in buffers:
-        b.delete()  # as donating them to a step would: the unpacked leaves are copies
-    for x, y in zip(unpacked, [big, *leaves], strict=True):
-        np.testing.assert_array_equal(x, y)
+    # on the host, then by the compiled programs: never sharing memory either way
+    for host_calls in (0, _transport._HOST_CALLS):
+        layout.host_calls[:] = [host_calls, host_calls]
+        buffers = _transport.pack_on_device(layout, [big, *committed])
+        assert all(b.committed and b.devices() == {device} for b in buffers)
+        pointers = {x.unsafe_buffer_pointer() for x in [big, *committed]}
+        assert not pointers & {b.unsafe_buffer_pointer() for b in buffers}
+        unpacked = _transport.unpack_on_device(layout, buffers)
+        assert all(x.committed and x.devices() == {device} for x in unpacked)
+        assert not {b.unsafe_buffer_pointer() for b in buffers} & {
+            x.unsafe_buffer_pointer() for x in unpacked
+        }
+        for b in buffers:
+            b.delete()  # as donating them to a step would: the unpacked leaves are copies
+        for x, y in zip(unpacked, [big, *leaves], strict=True):
+            np.testing.assert_array_equal(x, y)
 
 
 def test_a_weakly_typed_single_compiles_the_step_once_whichever_copy_packs_it():
