@@ -29,17 +29,19 @@ So the program never names an offset inside a fused kernel:
   copies, and LLVM's instruction scheduling is quadratic in its size; the leaves are
   concatenated in runs (`_concatenate`), then the runs, through an optimization barrier.
 
-What remains costs about 0.8 ms of compile time per packed leaf on a 2-core machine (0.25 s
-of CPU for the 300 tiny leaves of the MLP of benchmarks/bench_zoo.py, half in XLA's HLO passes
-over the unpack's gathers, half in compiling the repack's copy kernels). A state packed
+What remains costs about 0.6-2 ms of compile time per packed leaf on a 2-core machine, most
+of it the unpack's gather per leaf (its tracing and XLA's HLO passes over it; the kernels are
+shared), the rest the repack's run kernels, which XLA:CPU compiles one by one even where
+identical (docs/performance.md measures both). A state packed
 outside a step (its first call) is copied on the host rather than by a program compiled for
 it (`_HOST_CALLS`). Neither the unpack nor the repack is meant to change which computations
 XLA fuses with which (the unpack's pieces are whole vectors because smaller ones changed how
 the kernels reading them were vectorized, and their last bits), and on the test suite's
-models a packed step computes the same bits as one with a buffer per leaf. That is not a
-guarantee: on the narrow ResNet50 of the benchmark report, losses with `pack="auto"` stay
-within 3e-7 (relative) of flat over 10 steps, not equal, as XLA compiles that program
-differently.
+models a step under `pack="auto"` computes the same bits as one with a buffer per leaf. That
+is not a guarantee: with every leaf packed, the corpus case eqx_stateful compiles otherwise
+and ends up to 9e-5 away (Adam amplifying gradients of float noise), and on the narrow
+ResNet50 of the benchmark report, losses with `pack="auto"` stay within 3e-7 (relative) of
+flat over 10 steps, not equal, as XLA compiles that program differently.
 """
 
 from __future__ import annotations
@@ -229,9 +231,8 @@ def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
     unrolled copy loops (the runs were reshaped between 1-D and 2-D before, which XLA fused:
     0.1 s more compile time for the tiny MLP of benchmarks/bench_zoo.py). Every run keeps
     more than 8 parts: XLA fuses a smaller concatenate with the computations that produce its
-    operands, which changes how those compile (and their last bits: packing stays bitwise
-    equal to one buffer per leaf). Parts
-    that are the program's `inputs` (`pack_on_device`) are first concatenated 8 at a time:
+    operands, which changes how those compile (and their last bits). Parts that are the
+    program's `inputs` (`pack_on_device`) are first concatenated 8 at a time:
     those are fused kernels, which alike groups of 8 share."""
     total = sum(p.shape[0] for p in parts)
     if inputs and len(parts) > _FUSED_RUN:

@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = [run_model(h, b, args.batches, repeats, block_s) for h, b in sizes]
     end_load = harness.load_average()
 
-    command = "python benchmarks/bench_keras.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = harness.command("benchmarks/bench_keras.py", sys.argv[1:] if argv is None else argv)
     lines = [
         "# Keras 3 (JAX backend) vs autoflat: the same MLP, per training step",
         "",

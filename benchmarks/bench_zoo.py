@@ -282,7 +282,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = harness.environment_lines(machine, versions, end_load=os.getloadavg())
-    command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
+    command = harness.command("benchmarks/bench_zoo.py", sys.argv[1:])
     text = render(results, env, command.strip())
     (out / "zoo.md").write_text(text)
     harness.write_json({"environment": env, "results": results}, out / "zoo.json")

@@ -48,6 +48,18 @@ STRICT_STEPS = 3  # of which the first ones must agree to RTOL
 RTOL = 1e-4
 
 
+def command(script: str, argv: Sequence[str]) -> str:
+    """The command line to record in a results file: the output directory, a path of this
+    machine, as `DIR`."""
+    args = list(argv)
+    for i, a in enumerate(args):
+        if a == "--out" and i + 1 < len(args):
+            args[i + 1] = "DIR"
+        elif a.startswith("--out="):
+            args[i] = "--out=DIR"
+    return " ".join(["python", script, *args])
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 

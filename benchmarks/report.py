@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = perf()
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": harness.command("benchmarks/report.py", sys.argv[1:]),
         "machine": harness.machine(),
         "versions": harness.versions(),
         "config": cfg,

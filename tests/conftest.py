@@ -8,5 +8,5 @@ import jax  # noqa: E402,F401  (strict dtype promotion is off: optax itself prom
 
 def pytest_report_header(config):
     # `AUTOFLAT_PACK=off|on pytest` runs the whole suite with that transport as the default of
-    # autoflat.step (the `tests_pack` nox session runs `off`); autoflat reads it itself.
+    # autoflat.step (the `tests_pack` nox sessions run `off` and `on`); autoflat reads it itself.
     return f"autoflat transport (AUTOFLAT_PACK): {os.environ.get('AUTOFLAT_PACK', 'auto')}"

@@ -22,8 +22,8 @@ Cases (`CASES`):
   shards), restored and continued, next to the uninterrupted run;
 - `chunks`: the `dp` run fed by `autoflat.chunks` from each process's half of every batch.
 
-Each of `dp`, `fsdp` and `nnx` runs at `num_steps=1` (one call per step, the default
-`pack="auto"`) and at `num_steps=4` with packed transport (`pack=True`: a chunk of 4 steps, then
+Each of `dp`, `fsdp` and `nnx` runs at `num_steps=1` (one call per step, `pack="auto"`, the
+default rule, named whatever `AUTOFLAT_PACK` says) and at `num_steps=4` with packed transport (`pack=True`: a chunk of 4 steps, then
 the shorter final chunk of 2), so the packing check has something it could get wrong.
 """
 

@@ -219,9 +219,10 @@ def test_handles_take_the_fast_path_across_processes(runs, case, k):
 
 @pytest.mark.parametrize("case", ["dp", "fsdp", "nnx"])
 def test_nothing_spanning_devices_is_packed(runs, case):
-    """With `pack=True`, every state leaf placed on several devices (here: on both processes)
-    is its own buffer of the compiled program (`Step.lower(...).args`), never packed, while
-    the step counts made on one device are packed."""
+    """With `pack=True` (k=4), every state leaf placed on several devices (here: on both
+    processes) is its own buffer of the compiled program (`Step.lower(...).args`), never
+    packed, while the step counts made on one device are packed; with `pack="auto"` (k=1)
+    those few counts are not worth a buffer of their own, and nothing is packed."""
     _, checks, _, _ = runs
     packing = checks[f"{case}/k4"]["packing"]
     assert packing["spread_packed"] == []

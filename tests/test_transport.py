@@ -173,7 +173,7 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
     for i in range(_transport._HOST_CALLS + 2):
         (buf,) = _transport.pack_on_device(layout, leaves)
         np.testing.assert_array_equal(buf, expected)
-        assert buf.dtype == jnp.float32 and not buf.committed
+        assert buf.dtype == jnp.float32 and not buf.committed and not buf.weak_type
         assert len(compiled) == max(0, i + 1 - _transport._HOST_CALLS)
     # fresh buffers, placed as `jax.jit` places its outputs: committed if an input is
     device = jax.devices()[-1]
@@ -200,9 +200,15 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
             np.testing.assert_array_equal(x, y)
 
 
-def test_a_weakly_typed_single_compiles_the_step_once_whichever_copy_packs_it():
+def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(monkeypatch):
     # The first packs of a layout are host copies, which drop weak types; the compiled pack
-    # that takes over must drop them too, or the step compiles again for `jnp.array(0)`.
+    # that takes over must drop them too (of a `jnp.array(0)` single and of a buffer packed
+    # from `jnp.full(..., 1.0)` leaves), or the step compiles again.
+    autoflat.clear_caches()  # layouts are interned with their count of host copies
+    compiled = []
+    real = _transport._pack_jit
+    monkeypatch.setattr(_transport, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
+
     def update(state, g):
         count, xs = state
         state = (count + 1, [x * 0.99 + g for x in xs])
@@ -218,6 +224,7 @@ def test_a_weakly_typed_single_compiles_the_step_once_whichever_copy_packs_it():
         np.testing.assert_allclose(xs[3], np.full(8, 1.49), rtol=1e-6)
     stats = autoflat.stats(step)
     assert stats.traces == 1 and stats.copies == _transport._HOST_CALLS + 2, stats
+    assert len(compiled) == 2
 
 
 def test_packed_leaves_compile_to_the_kernels_of_flat_leaves():
