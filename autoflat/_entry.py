@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import _transport
 from ._nnx import Link
 from ._program import CallSpec
-from ._structure import FlatState
+from ._structure import FlatState, strongly_typed
 from ._tracing import linking
 
 
@@ -95,7 +95,7 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
         ]
     # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
     # call's input differ from this one's and compile the step again.
-    arrays = [jax.lax.convert_element_type(a, a.dtype) if _weak(a) else a for a in arrays]
+    arrays = [strongly_typed(a) for a in arrays]
     written_back = any(j == k for j, _ in spec.program.written_back_idx)
     linked = spec.links is not None and spec.links[k] is not None
     pack = not linked and _transport.mode_for(spec.pack, written_back)
@@ -111,10 +111,6 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
         if layout is not None:
             return FlatState(flat.structure, _transport.pack(layout, arrays), layout)
     return FlatState(flat.structure, arrays)
-
-
-def _weak(a: Any) -> bool:
-    return bool(getattr(getattr(a, "aval", None), "weak_type", False))
 
 
 # Primitives that run Python on the host while the program runs: it can fail there, after

@@ -188,6 +188,14 @@ def computed_dtype(dtype: Any) -> Any:
         return dtype
 
 
+def strongly_typed(x: Any) -> Any:
+    """`x` without its weak type (same dtype and values): a step's state outputs and the
+    buffers packed for it are strongly typed, so that a weakly typed leaf
+    (`jnp.array(0)`, `jnp.full((3,), 1.0)`) does not compile the step a second time."""
+    weak = getattr(getattr(x, "aval", None), "weak_type", False)
+    return jax.lax.convert_element_type(x, x.dtype) if weak else x
+
+
 def placement_of(arrays: Sequence[Any]) -> Placement | None:
     """None when no leaf spans several devices (nothing to pin), else per-leaf shardings."""
     shardings: list[Any] = []

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _caches
-from ._structure import computed_dtype
+from ._structure import computed_dtype, strongly_typed
 
 PackMode = Literal[False, True, "auto"]
 
@@ -201,7 +201,7 @@ def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[An
     `jnp.full((8,), 1.0)` leaf or a `jnp.array(0)` single, would compile the step twice)."""
     out = [arrays[i] for i in layout.singles]
     if inputs:
-        out = [_strong(x) for x in out]
+        out = [strongly_typed(x) for x in out]
     for g in layout.groups:
         flat = []
         for i in g.indices:
@@ -210,13 +210,8 @@ def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[An
                 x = jax.lax.convert_element_type(x, g.dtype)
             flat.append(jax.lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
         buf = _concatenate(flat, inputs)
-        out.append(_strong(buf) if inputs else buf)
+        out.append(strongly_typed(buf) if inputs else buf)
     return out
-
-
-def _strong(x: Any) -> Any:
-    weak = getattr(getattr(x, "aval", None), "weak_type", False)
-    return jax.lax.convert_element_type(x, x.dtype) if weak else x
 
 
 def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
