@@ -49,7 +49,7 @@ def tests_pack(session: nox.Session, pack: str) -> None:
     leaf (`off`, `pack=False`) or every leaf packed (`on`, `pack=True`)."""
     session.install("-e", ".[tests]")
     session.env["AUTOFLAT_PACK"] = pack
-    session.run("python", "-m", "pytest", "-m", "not slow", "tests", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "not slow", *session.posargs)
 
 
 @nox.session(python="3.11")
