@@ -57,8 +57,11 @@ def eval_one_step(
     values: dict[str, Any],
     roles: dict[str, Role],
     num_steps: int,
+    after: dict[str, Any] | None = None,
 ) -> Any:
-    """The abstract value one step returns, for these arguments."""
+    """The abstract value one step returns, for these arguments. With `after`, its keys are
+    parameters whose leaves after the step (updated in place: state written back) are put
+    there, abstract where traced."""
     parts = []
     for p in params:
         role = roles[p]
@@ -83,6 +86,12 @@ def eval_one_step(
         # kept as they are, so a Python scalar returned unchanged stays one.
         leaves, treedef = jax.tree_util.tree_flatten(fn(*args))
         found["treedef"] = treedef
+        found["n"] = len(leaves)
+        found["lengths"] = []
+        for p in after or ():
+            changed = jax.tree_util.tree_leaves(args[params.index(p)])
+            found["lengths"].append(len(changed))
+            leaves += changed
         found["leaves"] = leaves
         traced = [isinstance(x, jax.core.Tracer) for x in leaves]
         found["traced"] = traced
@@ -92,7 +101,13 @@ def eval_one_step(
     leaves = [
         next(abstract) if t else x for x, t in zip(found["leaves"], found["traced"], strict=True)
     ]
-    return found["treedef"].unflatten(leaves)
+    n = found["n"]
+    if after is not None:
+        start = n
+        for p, count in zip(after, found["lengths"], strict=True):
+            after[p] = leaves[start : start + count]
+            start += count
+    return found["treedef"].unflatten(leaves[:n])
 
 
 def positions_of(first: Any, out: Any) -> list[Any]:

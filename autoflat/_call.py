@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _nnx, _transport, _writeback
+from ._abstract import SCALARS
 from ._entry import relinked
 from ._errors import BAD_CALL, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
@@ -105,11 +106,11 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Everything the launch needs, from the call's arguments (see the module doc)."""
     if kwargs or len(args) != step._n_params:
         args = bind(step, args, kwargs)
-    program, to_array = step._programs.for_args(args, step._may_mutate)
+    program, to_array, firsts = step._programs.for_args(args, step._may_mutate)
     call = Call()
     call.args = args
     call.program = program
-    structures, leaves, placements, layouts = _take_state(step, call, to_array)
+    structures, leaves, placements, layouts = _take_state(step, call, to_array, firsts)
     bcast_structures, call.bcast_leaves = _take_broadcast(step, program, args)
     for k, i in program.written_back_idx:
         if type(args[i]) is not LazyHandle:
@@ -131,7 +132,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
 
 
 def _take_state(
-    step: Any, call: Call, to_array: tuple[tuple[int, ...], ...]
+    step: Any, call: Call, to_array: tuple[tuple[int, ...], ...], firsts: list[Any]
 ) -> tuple[list[Structure], list[list[Any]], list[Placement | None], list[Layout | None]]:
     args, program = call.args, call.program
     stats = step._diag.stats
@@ -179,6 +180,8 @@ def _take_state(
             layouts.append(a._af_layout)
             call.donated.append(a)
             stats.fast_path += 1
+            if firsts[k] is None:
+                firsts[k] = a._af_structure
             continue
         if type(a) is LazyHandle:
             a = LazyHandle._af_get(a)
@@ -193,6 +196,13 @@ def _take_state(
                 stats.fast_path += 1
             else:
                 stats.flattens += 1
+        first = firsts[k]
+        if first is None:
+            firsts[k] = structure
+        elif structure is not first:
+            late = _late_scalars(first, structure)
+            if late:
+                structure, arrays = _with_arrays(a, tuple(sorted({*to_array[k], *late})))
         placement = placement_of(arrays)
         unpacked[k] = arrays
         # One array is one buffer already, and comes back as itself: never packed.
@@ -264,6 +274,21 @@ def _share(
             leaves[k] = link.drop(leaves[k])
 
 
+def _late_scalars(first: Structure, now: Structure) -> tuple[int, ...]:
+    """The leaves of `now` that are Python numbers where the first call's value of the same
+    tree had arrays (`opt_state.hyperparams["b2"] = 0.95` between calls): they go in as
+    arrays, as the step took them then, rather than as constants that would compile again
+    (or, in a scan, change the carry's structure when the step makes them arrays)."""
+    if now.treedef != first.treedef:
+        return ()
+    arrays = set(now.array_positions)
+    return tuple(
+        i
+        for i in first.array_positions
+        if i not in arrays and isinstance(now.static_leaves[i], SCALARS)
+    )
+
+
 def _with_arrays(value: Any, indices: tuple[int, ...]) -> tuple[Structure, list[Any]]:
     """Flatten `value` with the Python scalars at these leaf indices made arrays (they come
     back from the step as arrays: `TrainState.step`)."""
@@ -320,7 +345,7 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
                 continue  # the NNX cache records them as ours
         else:
             _writeback.write_back(args[i], handles[k], program.roles.state[k], step._analysis)
-        if type(args[i]) is not LazyHandle:
+        if type(args[i]) is not LazyHandle and type(handles[k]) is LazyHandle:
             # The caller's object now holds buffers this call produced: a later call (of this
             # step or another) may donate them without a copy while they are still these.
             _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]), args[i])

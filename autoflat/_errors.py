@@ -39,7 +39,7 @@ class CallError(AutoflatError, TypeError):
 
 class ShapeError(AutoflatError, ValueError):
     """Per-step inputs or state have shapes a k-step call cannot run (a missing or wrong
-    leading axis, state that changes its structure within one call)."""
+    leading axis, state that changes its structure from step to step)."""
 
 
 class StateError(AutoflatError, ValueError):
@@ -216,13 +216,14 @@ returned by name from every `return` (`params = optax.apply_updates(params, upda
 """
 
 STRUCTURE_CHANGED = """\
-`{name}` ({where}) changed the structure of its state `{param}` within one call:
+`{name}` ({where}) changed the structure of its state `{param}` from one step to the next:
 {diff}
 
 With num_steps={num_steps} the steps of one call run in a `lax.scan`, whose carried state must
-keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed
-(for example, store counters as arrays: `jnp.asarray(0)` rather than `0`), or use num_steps=1,
-where the structure may change between calls.
+keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed.
+A Python number goes in as an array where the first call saw the step change it or saw an array
+there; this one was not, so pass it as an array (`jnp.asarray(0)` rather than `0`), or use
+num_steps=1, where the structure may change between calls.
 """
 
 CONSUMED = """\
@@ -262,6 +263,15 @@ pytree, which would split the Variable into two copies that are updated apart.
 Shared Variables work between NNX objects that the step mutates and does not return (an
 optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
 `nnx.jit`: return neither object, or reach each Variable from one argument only.
+"""
+
+NNX_NOT_PYTREE = """\
+`{param}` of `{name}` ({where}) {holds} a Flax NNX `{cls}` declared with `pytree=False`. \
+autoflat passes Flax NNX objects across `jax.jit` as pytrees (as Flax's own `nnx.Pytree` \
+flattening does), and JAX sees this one as a single opaque value, so its Variables could be \
+neither traced nor updated. Declare `{cls}` as a pytree (the default: drop `pytree=False`, \
+hold a list of submodules in `nnx.List([...])` and other attributes with `nnx.data(...)` or \
+`nnx.static(...)`), or use `nnx.jit` for this step.
 """
 
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"

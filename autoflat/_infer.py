@@ -41,14 +41,17 @@ from ._analysis import Analysis
 from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
+    NNX_NOT_PYTREE,
     STATE_NOT_MATCHED,
     UNHASHABLE_STATIC,
     CallError,
     OptionError,
     ShapeError,
+    StateError,
     error,
 )
 from ._hazards import check_per_step_returned, check_written_per_step, raise_leading_axis_errors
+from ._nnx import opaque_module
 from ._roles import Options, Role, Roles, RunTime, assign_roles, is_mutable_module, returned_by_name
 from ._structure import is_array
 
@@ -101,6 +104,18 @@ def infer(
         p for p in params if p not in explicit | by_source | mutable and p not in options.state
     ]
     values = dict(zip(params, args, strict=True))
+    for p in params:
+        opaque = None if p in options.static else opaque_module(values[p])
+        if opaque is not None:
+            path, obj = opaque
+            raise error(
+                StateError,
+                NNX_NOT_PYTREE,
+                analysis,
+                param=p,
+                holds=f"holds at `{p}{path}`" if path else "is",
+                cls=obj.__class__.__qualname__,
+            )
     for p in options.static:
         try:
             hash(values[p])
@@ -372,34 +387,44 @@ def _to_array(
 ) -> tuple[tuple[int, ...], ...]:
     """Per state position, the leaves that are Python scalars going in and come out as arrays
     or as other values (`step + 1` on a Python int): left static, they would change the state's
-    structure every step. Scalars that come back unchanged stay static."""
+    structure every step. Scalars that come back unchanged stay static. "Come out": returned,
+    or, for a dict changed in place, as the step leaves it.
+
+    A Flax NNX object written back has all its Python scalar leaves (Variables holding a
+    Python number, such as `Count(0)`) made arrays, changed or not, as `nnx.jit` traces them."""
     state = roles.state
-    has_scalars = [
-        p in positions and any(isinstance(x, SCALARS) for x in jax.tree_util.tree_leaves(values[p]))
-        for p in state
-    ]
-    if not any(has_scalars):
-        return ((),) * len(state)
+    written = set(roles.written_back)
+    leaves = {p: jax.tree_util.tree_leaves(values[p]) for p in state}
+    scalars = {p: [i for i, x in enumerate(leaves[p]) if isinstance(x, SCALARS)] for p in state}
+    nnx = {p for p in written if scalars[p] and is_mutable_module(values[p])}
+    after: dict[str, Any] = {p: None for p in written - nnx if scalars[p]}
+    if not after and not any(scalars[p] for p in positions if p in scalars):
+        return tuple(tuple(scalars[p]) if p in nnx else () for p in state)
     first = analysis.returns[0] if analysis.returns else None
-    if out is None:
-        out = eval_one_step(fn, roles.params, values, for_eval, num_steps)
+    if out is None or after:
+        out = eval_one_step(fn, roles.params, values, for_eval, num_steps, after or None)
     outputs = positions_of(first, out)
     result: list[tuple[int, ...]] = []
-    for p, scalars in zip(state, has_scalars, strict=True):
-        if not scalars or not outputs:
-            result.append(())
+    for p in state:
+        if p in nnx:
+            result.append(tuple(scalars[p]))
             continue
-        ins = jax.tree_util.tree_leaves(values[p])
-        outs = jax.tree_util.tree_leaves(outputs[positions[p]])
-        if len(ins) != len(outs):
+        if p in after:
+            outs = after[p]
+        elif p in positions and outputs:
+            outs = jax.tree_util.tree_leaves(outputs[positions[p]])
+        else:
+            outs = None
+        ins = leaves[p]
+        if not scalars[p] or outs is None or len(ins) != len(outs):
             result.append(())
             continue
         result.append(
             tuple(
                 i
-                for i, (a, b) in enumerate(zip(ins, outs, strict=True))
-                if isinstance(a, SCALARS)
-                and (isinstance(b, jax.ShapeDtypeStruct) or (type(b), b) != (type(a), a))
+                for i in scalars[p]
+                if isinstance(outs[i], jax.ShapeDtypeStruct)
+                or (type(outs[i]), outs[i]) != (type(ins[i]), ins[i])
             )
         )
     return tuple(result)

@@ -392,6 +392,19 @@ def variables_of(
     return out
 
 
+def opaque_module(value: Any) -> tuple[str, Any] | None:
+    """(path, object) of a Flax NNX object that JAX flattens as one leaf (a module declared
+    `pytree=False`) in `value`, or None."""
+    if not sys.modules.get("flax.nnx"):
+        return None
+    # A handle (autoflat's own output) is not traversed: that would build its object.
+    leaves, _ = jax.tree_util.tree_flatten_with_path(value, is_leaf=lambda x: type(x) is LazyHandle)
+    for path, leaf in leaves:
+        if type(leaf) is not LazyHandle and is_mutable_module(leaf):
+            return jax.tree_util.keystr(path), leaf
+    return None
+
+
 def relink(link: Link, obj: Any, scope: dict[int, list[Any]]) -> Any:
     """Inside the trace: `obj` (just unflattened, with Variables of its own) holding, at each
     imported leaf, the Variable object that `scope` recorded for the exporting argument; an

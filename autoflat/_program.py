@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -99,7 +99,7 @@ class Programs:
         self._user_fn = user_fn
         self._num_steps = num_steps
         self._by_roles: dict[Roles, Program] = {}
-        self._plans: dict[Any, tuple[Program, tuple[tuple[int, ...], ...]]] = {}
+        self._plans: dict[Any, Plan] = {}
         # Roles from the source and options alone; made now so bad returns fail at decoration.
         self.base = self._get(assign_roles(analysis, options))
 
@@ -127,23 +127,39 @@ class Programs:
             )
         return program
 
-    def for_args(
-        self, args: tuple[Any, ...], may_mutate: bool
-    ) -> tuple[Program, tuple[tuple[int, ...], ...]]:
-        """The program for a call, and the Python scalar leaves of each state argument that
-        become arrays: roles are inferred at the first call with arguments of these types
-        (`_infer`) and kept for every later one."""
+    def for_args(self, args: tuple[Any, ...], may_mutate: bool) -> Plan:
+        """The plan for a call: roles are inferred at the first call with arguments of these
+        types (`_infer`) and kept for every later one."""
         key = (arg_kinds(args, LazyHandle), may_mutate)
         plan = self._plans.get(key)
         if plan is None:
             inferred = infer(
                 self._analysis, self._options, self._num_steps, self._user_fn, args, may_mutate
             )
-            plan = self._plans[key] = (self._get(inferred.roles), inferred.to_array)
+            program = self._get(inferred.roles)
+            plan = self._plans[key] = Plan(
+                program, inferred.to_array, [None] * len(inferred.roles.state)
+            )
         return plan
 
     def all(self) -> list[Program]:
         return list(self._by_roles.values())
+
+
+class Plan(NamedTuple):
+    """What the first call with arguments of some types settled for every later one.
+
+    - `program`: the generated program;
+    - `to_array`: per state position, the leaves that are Python scalars at the first call
+      and become arrays (`_infer._to_array`);
+    - `firsts`: per state position, the structure of the first call's value (set by that
+      call): a later value of the same tree with a Python number where the first had an
+      array has it made an array again (`_call._take_state`).
+    """
+
+    program: Program
+    to_array: tuple[tuple[int, ...], ...]
+    firsts: list[Any]
 
 
 class CallSpec:

@@ -88,8 +88,12 @@ def clear() -> None:
     _owner.clear()
 
 
-def write_back(target: Any, new: LazyHandle, param: str, analysis: Analysis) -> None:
-    """Make the caller's object `target` show the new value of state `param`."""
+def write_back(target: Any, new: Any, param: str, analysis: Analysis) -> None:
+    """Make the caller's object `target` show the new value of state `param` (`new`: a
+    handle, or the value itself where it holds no arrays, see `_call.new_handles`)."""
+    if type(new) is not LazyHandle:
+        _assign_into(target, new, param, "", analysis)
+        return
     if type(target) is LazyHandle:
         for slot in ("_af_structure", "_af_arrays", "_af_placement", "_af_layout", "_af_unpacked"):
             object.__setattr__(target, slot, object.__getattribute__(new, slot))

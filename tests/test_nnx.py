@@ -218,6 +218,90 @@ def test_tied_weights_and_an_optimizer_match_nnx_jit(k, pack):
     assert (stats.traces, stats.flattens) == (1, 2)
 
 
+class Count(nnx.Variable):
+    pass
+
+
+class Counted(nnx.Module):
+    """google/flax docs_nnx/guides/demo.md: a `Count(0)` Variable holding a Python int that
+    `__call__` increments; `share` stores one block twice (that page's model surgery)."""
+
+    def __init__(self, rngs, share=False):
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(3)])
+        if share:
+            self.blocks[1] = self.blocks[2]
+        self.count = Count(0)
+        self.fixed = Count(3)  # never changed: nnx.jit traces it all the same
+
+    def __call__(self, x):
+        self.count.value += 1
+        for b in self.blocks:
+            x = nnx.tanh(b(x))
+        return x * self.fixed.value
+
+
+@pytest.mark.parametrize("k,share", [(1, False), (4, False), (1, True), (4, True)])
+def test_python_numbers_in_variables_become_arrays_as_with_nnx_jit(k, share):
+    xs = jax.random.normal(jax.random.key(0), (8, 8, 4))
+
+    def fresh():
+        model = Counted(nnx.Rngs(0), share)
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    ref_model, ref_opt = fresh()
+    ref = nnx.jit(tied_step)
+    ref_losses = [ref(ref_model, ref_opt, x) for x in xs]
+    model, optimizer = fresh()
+    step = autoflat.step(tied_step, num_steps=k)
+    losses = [step(model, optimizer, xs[i : i + k] if k > 1 else xs[i]) for i in range(0, 8, k)]
+    np.testing.assert_allclose(np.ravel(losses), np.ravel(ref_losses), rtol=1e-5)
+    _assert_same([model, optimizer], [ref_model, ref_opt])
+    assert isinstance(ref_model.count.value, jax.Array)  # what nnx.jit does with them
+    for v in (model.count.value, model.fixed.value):
+        assert isinstance(v, jax.Array)
+    assert (int(model.count.value), int(model.fixed.value)) == (8, 3)
+    assert (model.blocks[1] is model.blocks[2]) == share
+    assert autoflat.stats(step).traces == 1
+
+
+class Opaque(nnx.Module, pytree=False):
+    """A module JAX flattens as one leaf (Flax suggests `pytree=False` for plain lists)."""
+
+    def __init__(self, rngs):
+        self.layers = [nnx.Linear(4, 4, rngs=rngs)]
+
+    def __call__(self, x):
+        return self.layers[0](x)
+
+
+class HoldsOpaque(nnx.Module):
+    def __init__(self, rngs):
+        self.inner = Opaque(rngs)
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("cls,where", [(Opaque, "is a"), (HoldsOpaque, "holds at `model.inner` a")])
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_module_declared_pytree_false_is_a_clear_error(cls, where, k):
+    model = cls(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    step = autoflat.step(tied_step, num_steps=k)
+    x = jnp.ones((k, 8, 4) if k > 1 else (8, 4))
+    with pytest.raises(autoflat.StateError) as info:
+        step(model, optimizer, x)
+    message = str(info.value)
+    assert message.startswith("`model` of `tied_step` (")
+    assert "test_nnx.py:" in message
+    assert f"{where} Flax NNX `Opaque` declared with `pytree=False`" in message
+    assert "drop `pytree=False`, hold a list of submodules in `nnx.List([...])`" in message
+    # nothing ran: the caller's objects are as they were, and nnx.jit still trains them
+    tree_allclose(nnx.state(model, nnx.Param), before, rtol=0, atol=0)
+    nnx.jit(tied_step)(model, optimizer, x[0] if k > 1 else x)
+
+
 def test_shared_variables_with_a_returned_object_are_a_clear_error():
     model, optimizer, metrics = make()
     xs, ys = _data(2)

@@ -82,3 +82,41 @@ def test_optimizer_state_shapes(name):
         p2, _, _ = step(p, o, chunk(xs, 0, 3), chunk(ys, 0, 3))
         tree_allclose(p2, p, exact=True)
         assert autoflat.stats(step).traces == 2  # the 3-step and 1-step chunks, nothing more
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_python_number_set_into_the_state_between_calls(k):
+    """optax.inject_hyperparams' documented `opt_state.hyperparams["b2"] = 0.95`: a Python
+    number where the first call had an array goes in as an array again (no new compile, and
+    no structure change in the scan), as `jax.jit` traces it."""
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2, b2=0.999)
+
+    def update(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, loss
+
+    xs = jax.random.normal(jax.random.key(1), (8, 8, 4))
+    ys = jax.random.normal(jax.random.key(2), (8, 8, 2))
+    ref = jax.jit(update)
+    rp, ro = _params(), tx.init(_params())
+    step = autoflat.step(update, num_steps=k)
+    p, o = _params(), tx.init(_params())
+    for start in range(0, 8, k):
+        if start == 4:
+            ro.hyperparams["b2"] = 0.95
+            o = autoflat.unwrap(o)
+            o.hyperparams["b2"] = 0.95
+        for i in range(start, start + k):
+            rp, ro, _ = ref(rp, ro, xs[i], ys[i])
+        x, y = (
+            (xs[start], ys[start])
+            if k == 1
+            else (chunk(xs, start, start + k), chunk(ys, start, start + k))
+        )
+        p, o, _ = step(p, o, x, y)
+    tree_allclose(p, rp)
+    tree_allclose(o, ro)
+    assert float(o.hyperparams["b2"]) == pytest.approx(0.95)
+    assert autoflat.stats(step).traces == 1

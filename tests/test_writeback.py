@@ -41,3 +41,29 @@ def test_mutation_into_immutable_parts_is_a_clear_error():
     with pytest.raises(autoflat.AutoflatError, match=r"`state\[1\]` is immutable \(tuple\)"):
         step(state, jnp.float32(1.0))
     assert float(state[0]["w"]) == 0.0  # checked before running: nothing half-written
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_python_numbers_in_a_dict_changed_in_place(k):
+    """A Python int the step counts up in a dict it changes in place becomes an array (one
+    trace, as for returned state); Python values it leaves alone stay as they are, and a dict
+    of Python values only is written back too."""
+
+    def update(params, counters, flags, x):
+        counters["n"] = counters["n"] + 1
+        flags["mode"] = "train"
+        params = {"w": params["w"] - counters["scale"] * x}
+        return params, jnp.sum(x)
+
+    step = autoflat.step(update, num_steps=k)
+    params = {"w": jnp.ones(3)}
+    counters = {"n": 0, "scale": 0.5}
+    flags = {"mode": "train", "off": False}
+    for _ in range(3):
+        x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+        params, _ = step(params, counters, flags, x)
+    assert isinstance(counters["n"], jax.Array) and int(counters["n"]) == 3 * k
+    assert counters["scale"] == 0.5 and type(counters["scale"]) is float
+    assert flags == {"mode": "train", "off": False}
+    assert float(params["w"][0]) == pytest.approx(1.0 - 0.5 * 3 * k)
+    assert autoflat.stats(step).traces == 1
