@@ -62,15 +62,18 @@ def _flatten(spec: Any, index: int, value: Any) -> FlatState:
 def _scan(
     step: Callable[..., Any], spec: Any, init: tuple[FlatState, ...], xs: tuple[Any, ...]
 ) -> Any:
-    lengths = set()
-    for leaf in jax.tree_util.tree_leaves(xs):
+    names = spec.program.roles.of("scanned")
+    lengths: dict[int, str] = {}  # leading axis -> the first input (by path) that has it
+    for path, leaf in jax.tree_util.tree_flatten_with_path(xs)[0]:
         shape = np.shape(leaf)
+        where = _input_name(names, path)
         if not shape:
-            _bad_length(spec, "a per-step input is a scalar, with no leading axis of steps")
-        lengths.add(shape[0])
+            _bad_length(spec, f"the per-step input `{where}` is a scalar, with no leading axis")
+        lengths.setdefault(shape[0], where)
     if len(lengths) > 1:
-        _bad_length(spec, f"per-step inputs disagree on their leading axis: {sorted(lengths)}")
-    length = lengths.pop() if lengths else spec.num_steps
+        found = ", ".join(f"`{w}` has {n}" for n, w in sorted(lengths.items()))
+        _bad_length(spec, f"per-step inputs disagree on their leading axis: {found}")
+    length = next(iter(lengths)) if lengths else spec.num_steps
     if length > spec.num_steps:
         _bad_length(spec, f"per-step inputs have a leading axis of {length}, more than num_steps")
 
@@ -95,6 +98,15 @@ def _changed(spec: Any, index: int, old: Any, old_arrays: Any, new: Any, new_arr
         diff=_structure.describe_difference(param, old, old_arrays, new, new_arrays),
         num_steps=spec.num_steps,
     )
+
+
+def _input_name(names: tuple[str, ...], path: tuple[Any, ...]) -> str:
+    """`batch['label']`: a leaf of the per-step inputs (a tuple, one per scanned parameter)."""
+    first = path[0] if path else None
+    index = getattr(first, "idx", None)
+    if index is None or index >= len(names):
+        return jax.tree_util.keystr(path)
+    return names[index] + jax.tree_util.keystr(tuple(path[1:]))
 
 
 def _bad_length(spec: Any, reason: str) -> None:

@@ -36,8 +36,19 @@ def test_inconsistent_leading_axes():
         return state
 
     declared = autoflat.step(two, num_steps=3, per_step=("x", "y"))
-    with pytest.raises(autoflat.ShapeError, match=r"disagree on their leading axis: \[2, 3\]"):
+    with pytest.raises(
+        autoflat.ShapeError,
+        match=r"disagree on their leading axis: `y` has 2, `x` has 3",
+    ):
         declared(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
+    # A leaf inside a pytree input is named by its path.
+    with pytest.raises(
+        autoflat.ShapeError,
+        match=r"disagree on their leading axis: `y\['label'\]` has 2, `x` has 3",
+    ):
+        declared(
+            jnp.float32(0), jnp.ones((3, 2)), {"image": jnp.ones((3, 2)), "label": jnp.ones(2)}
+        )
     # Undeclared, an array without the leading axis of num_steps is the same for every step.
     inferred = autoflat.step(two, num_steps=3)
     out = inferred(jnp.float32(0), jnp.ones((3, 2)), jnp.ones((2, 2)))
