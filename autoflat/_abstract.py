@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._handles import LazyHandle
 from ._roles import Role
 from ._structure import computed_dtype, is_array
 
@@ -118,9 +119,20 @@ def positions_of(first: Any, out: Any) -> list[Any]:
     return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
 
 
+_MARK = object()  # a placeholder leaf
+
+
 def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
-    """(tree structure, per leaf: shape and dtype, "scalar" or the static value)."""
+    """(tree structure, per leaf: shape and dtype, "scalar" or the static value). A lazy
+    handle counts as the object it stands for (its own pytree node holds that object's tree:
+    unflattened, it is that object)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
+    if any(
+        type(x) is LazyHandle
+        for x in jax.tree_util.tree_leaves(value, is_leaf=lambda y: type(y) is LazyHandle)
+    ):
+        rebuilt = jax.tree_util.tree_unflatten(treedef, [_MARK] * len(leaves))
+        treedef = jax.tree_util.tree_structure(rebuilt)
     sig: list[Any] = []
     for x in leaves:
         if is_array(x) or isinstance(x, jax.ShapeDtypeStruct):

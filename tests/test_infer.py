@@ -153,6 +153,59 @@ def test_declared_state_not_returned_by_name_matches_by_value():
     np.testing.assert_allclose(sums, [5.7, 5.4, 5.1, 4.8], rtol=1e-5)  # not [6, 6, 6, 6]
 
 
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("pack", [False, "auto"])
+def test_state_matched_by_value_when_the_first_call_gets_handles(k, pack):
+    """A step's first call taking another step's results (pre-training, then fine-tuning):
+    the handles match the returned values as the objects they stand for would. They were
+    taken for broadcast inputs: every step restarted from the same params, silently."""
+    tx = optax.sgd(0.1)
+
+    def pretrain_fn(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((p["w"] - x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state
+
+    def finetune_fn(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum((p["w"] - 2 * x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    start = {"w": jnp.zeros(3), "b": [jnp.zeros(())] * 40}  # 40 small leaves: packed
+    pretrain = autoflat.step(pretrain_fn, num_steps=k, pack=pack)
+    finetune = autoflat.step(finetune_fn, num_steps=k, pack=pack)
+    xs = _batches(2 * k)
+    chunks = [xs[:k], xs[k:]] if k > 1 else [xs[0], xs[1]]
+    params, opt_state = pretrain(start, tx.init(start), chunks[0])
+    params, opt_state = finetune(params, opt_state, chunks[1])  # its first call: handles
+    assert "# params: state (matched by value to return position 0)" in finetune.source
+    ref = jax.jit(pretrain_fn), jax.jit(finetune_fn)
+    rp, ro = start, tx.init(start)
+    for i in range(2 * k):
+        rp, ro = ref[i // k](rp, ro, xs[i])
+    tree_allclose(params, rp)
+    tree_allclose(opt_state, ro)
+
+
+def test_handle_and_dict_alike_are_ambiguous_as_two_dicts_are():
+    def distill(params, teacher, x):
+        grads = jax.grad(lambda p: jnp.sum((p["w"] - teacher["w"] * x) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    shift = autoflat.step(lambda_free_shift, num_steps=K)
+    params = shift({"w": jnp.zeros(3)}, jnp.ones((K, 3)))  # a handle
+    step = autoflat.step(distill, num_steps=K)
+    with pytest.raises(autoflat.OptionError, match=r"could each be the new value of more than"):
+        step(params, {"w": jnp.ones(3)}, jnp.ones((K, 3)))
+    assert float(autoflat.unwrap(params)["w"][0]) == pytest.approx(0.4)  # still usable
+
+
+def lambda_free_shift(params, x):
+    params = {"w": params["w"] + 0.1 * jnp.mean(x)}
+    return params
+
+
 def test_declared_state_that_nothing_matches_is_an_error():
     def update(p, x):
         loss = jnp.sum(p * x)
