@@ -135,9 +135,9 @@ def calls_back(jaxpr: Any) -> bool:
 
 def jitted(note_trace: Callable[[CallSpec, Any], None], donate: Any) -> tuple[Any, Any]:
     """A step's `jax.jit`s of `entry`, spec static: the one it runs (state leaves donated if
-    `donate`) and, with `donate=True`, one that does not donate, for programs that must keep
+    `donate`) and, with `donate` on, one that does not donate, for programs that must keep
     their inputs (`_launch.runner`). Both wrap the same function, so JAX traces a spec once for
     the two."""
     fn = functools.partial(entry, note_trace)
     jit = jax.jit(fn, static_argnums=0, donate_argnums=(1,) if donate else ())
-    return jit, jax.jit(fn, static_argnums=0) if donate is True else None
+    return jit, jax.jit(fn, static_argnums=0) if donate else None

@@ -4,7 +4,9 @@ errors raised while it runs pointed at the user's code.
 
 A program runs without donation when its first trace (which the run then reuses) shows it
 calls back to the host (it can fail while running, after donated inputs are gone) or that a
-state output cannot reuse its input's buffers, unless the step asked for `donate="always"`.
+state output cannot reuse its input's buffers, unless the step asked for `donate="always"`;
+and no program is donated while `jax_debug_nans` or `jax_debug_infs` is on (see
+`checks_nans`).
 """
 
 from __future__ import annotations
@@ -112,16 +114,26 @@ def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
     return handles
 
 
+def checks_nans() -> bool:
+    """Whether `jax_debug_nans` or `jax_debug_infs` is on. On a NaN (an inf) in a result, JAX
+    runs the program again, op by op on the same inputs, to name the operation that made it:
+    inputs a donating launch has consumed. JAX does not donate while these are on, but a
+    program it compiled before the flag was set would: autoflat launches without donation
+    then (one more compile, the first time)."""
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+
+
 def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
     """The step's `jax.jit` that runs `spec`: donating, unless (decided at its first trace,
     which the jit then reuses) the program may fail at run time, or a state output cannot
-    reuse its input's buffers, and the step did not ask for `donate="always"`."""
-    if step.donate is not True:
+    reuse its input's buffers, and the step did not ask for `donate="always"`; never
+    donating while `checks_nans()`."""
+    if not step.donate:
         return step._jit
-    if spec.keeps_inputs is None:
+    if step.donate is True and spec.keeps_inputs is None:
         traced = step._jit.trace(spec, *inputs)
         spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(inputs[0], traced)
-    return step._jit_keep if spec.keeps_inputs else step._jit
+    return step._jit_keep if checks_nans() or _keeps(step, spec) else step._jit
 
 
 def _reshapes_state(state_in: tuple[list[Any], ...], traced: Any) -> bool:
@@ -139,6 +151,10 @@ def _reshapes_state(state_in: tuple[list[Any], ...], traced: Any) -> bool:
     return False
 
 
+def _keeps(step: Any, spec: CallSpec) -> bool:
+    return step.donate is True and bool(spec.keeps_inputs)
+
+
 def donates(step: Any, spec: CallSpec) -> bool:
     """Whether a launch of `spec` donated the state it was given."""
-    return step.donate == "always" or (step.donate is True and not spec.keeps_inputs)
+    return bool(step.donate) and not _keeps(step, spec) and not checks_nans()

@@ -180,6 +180,33 @@ def test_show_and_stats_on_a_method_reached_through_an_instance():
     )
 
 
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("donate", [True, "always"])
+@pytest.mark.parametrize("flag", ["debug_nans", "debug_infs"])
+def test_debug_nans_turned_on_between_calls_loses_nothing(k, donate, flag):
+    """`jax_debug_nans` set after the program compiled (to look into a loss gone NaN): JAX runs
+    the program again op by op on the same inputs, which the compiled program, donating,
+    had consumed. That raised "Array has been deleted" and lost the state passed in."""
+
+    def update(state, opt, x):
+        w = state["w"] + jnp.log(x)  # log(-1) is NaN, log(0) is -inf
+        return {"w": w, "b": [b + 1 for b in state["b"]]}, {"n": opt["n"] + 1}
+
+    step = autoflat.step(update, num_steps=k, donate=donate)
+    xs = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    s, o = step({"w": jnp.zeros(3), "b": [jnp.zeros(())] * 40}, {"n": jnp.zeros(())}, xs)
+    s, o = step(s, o, xs)  # compiled, donating
+    with getattr(jax, flag)(True):
+        with pytest.raises(FloatingPointError):
+            step(s, o, -xs if flag == "debug_nans" else 0 * xs)
+        np.testing.assert_allclose(s["w"], [0.0] * 3)  # the input of the failed call
+        assert float(o["n"]) == 2 * k
+        s, o = step(s, o, xs)  # and it trains on
+    s, o = step(s, o, xs)
+    assert float(o["n"]) == 4 * k
+    assert float(s["b"][39]) == 4 * k
+
+
 def test_eqx_error_if_is_a_run_time_failure_that_loses_nothing():
     eqx = pytest.importorskip("equinox")
 
