@@ -120,7 +120,7 @@ def checks_nans() -> bool:
     inputs a donating launch has consumed. JAX does not donate while these are on, but a
     program it compiled before the flag was set would: autoflat launches without donation
     then (one more compile, the first time)."""
-    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
+    return bool(jax.debug_nans.value or jax.debug_infs.value)
 
 
 def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
