@@ -3,9 +3,10 @@
 `entry(spec, state leaves, xs, broadcast leaves)` is what is traced: it unpacks the state,
 fills in Flax NNX Variables that state arguments share (`_nnx.Link`), runs the generated
 function, pins each state output to its input's sharding, strips weak types (so the next call
-does not compile again), and packs the state again when the transport packs it. `relinked`
-is its host-side counterpart for shared Variables; `calls_back` finds host callbacks in a
-traced program (`_launch` runs those without donation).
+does not compile again), and packs the state again when the transport packs it. It returns
+its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the host-side
+counterpart for shared Variables; `calls_back` finds host callbacks in a traced program
+(`_launch` runs those without donation).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def entry(
     bcast_leaves: tuple[list[Any], ...],
     *,
     repack: bool = True,
+    as_list: bool = True,
 ) -> Any:
-    """The traced function: leaves in, leaves and stacked outputs out (see the module doc).
+    """The traced function: leaves in, leaves and stacked outputs out (see the module doc):
+    `(state, outputs)`, or with `as_list` as `flat_result` gives it.
 
     `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static."""
     if note_trace is not None:
@@ -54,7 +57,38 @@ def entry(
             flat if link is None else FlatState(flat.structure, link.drop(flat.arrays))
             for flat, link in zip(leaving, spec.links, strict=True)
         )
-    return leaving, outputs
+    return flat_result(spec, leaving, outputs) if as_list else (leaving, outputs)
+
+
+def flat_result(spec: CallSpec, leaving: tuple[FlatState, ...], outputs: Any) -> Any:
+    """The program's result as JAX hands it back: a list `[state arrays, output leaves]`,
+    which JAX builds without running Python, its meaning kept in `spec.landing`.
+
+    A result holding `FlatState`s (or the user's own pytree classes among the outputs) is
+    built by Python functions that JAX calls after the program ran, after it consumed the
+    donated inputs: an interrupt there would lose the inputs and the results alike. A list of
+    lists is built in C, and lands in the step before any Python runs (`_launch.launch`).
+
+    A spec traced again (per-step inputs of other shapes) whose state or outputs then differ
+    in structure (code that branches on a shape) returns the tuple `(state, outputs)` instead,
+    as it is: `landed` tells the two apart by type."""
+    out_leaves, out_tree = jax.tree_util.tree_flatten(outputs)
+    landing = (tuple((f.structure, f.layout) for f in leaving), out_tree)
+    if spec.landing is None:
+        spec.landing = landing
+    elif spec.landing != landing:
+        return leaving, outputs
+    return [tuple(f.arrays for f in leaving), out_leaves]
+
+
+def landed(spec: CallSpec, result: Any) -> tuple[tuple[FlatState, ...], Any]:
+    """A launch's `(state, outputs)` from its result (see `flat_result`)."""
+    if type(result) is tuple:
+        return result  # type: ignore[no-any-return]
+    arrays, out_leaves = result
+    parts, out_tree = spec.landing  # type: ignore[misc]
+    state = tuple(FlatState(s, a, layout) for (s, layout), a in zip(parts, arrays, strict=True))
+    return state, out_tree.unflatten(out_leaves)
 
 
 def _linked(links: tuple[Link | None, ...], state: tuple[FlatState, ...]) -> tuple[FlatState, ...]:

@@ -237,6 +237,13 @@ To keep an independent copy before the call, use `copy.deepcopy({param})` (or
 `@autoflat.step(..., donate=False)`.
 """
 
+CONSUMED_LOST = """\
+This `{param}` was consumed by call {call} of `{name}` ({where}), which an interrupt stopped \
+after its compiled program ran and before its results reached autoflat: its buffers were \
+donated to that call, and the results are lost with them. Restart from a checkpoint, or from \
+state you kept.
+"""
+
 NOT_RETURNED = """\
 `{param}` of `{name}` ({where}) is state (named in state=) but no `return` gives it back by \
 name, and its value (a {type}) cannot be updated in place. Return it by name from every \

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from ._errors import CONSUMED, ConsumedError, Location, error
+from ._errors import CONSUMED, CONSUMED_LOST, ConsumedError, Location, error
 from ._structure import Placement, Structure, flatten
 
 
@@ -98,10 +98,10 @@ class LazyHandle:
             )
             raise error(
                 ConsumedError,
-                CONSUMED,
+                CONSUMED if call > 0 else CONSUMED_LOST,  # < 0: see `_launch.launch`
                 origin if origin is not None else Location("step", "?"),
                 param=object.__getattribute__(self, "_af_param"),
-                call=call,
+                call=abs(call),
             )
 
     def _af_get(self) -> Any:

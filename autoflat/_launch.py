@@ -20,6 +20,7 @@ import jax
 
 from . import _loading
 from ._entry import calls_back
+from ._entry import landed as landed_result
 from ._errors import NOT_AN_ARRAY, CallError, error
 from ._handles import LazyHandle
 from ._program import CallSpec
@@ -49,13 +50,18 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             landed.extend(itertools.starmap(compiled, (inputs,)))
         else:
             landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
-        return landed[0]
     except BaseException as e:
-        if not landed:  # the program did not run: nothing donated, nothing to recover
+        if not landed and not _consumed(call):
+            # The program did not run: nothing donated, nothing to recover.
             step._in_flight = None
             for h in claimed:
                 object.__setattr__(h, "_af_consumed_by", 0)
         if not isinstance(e, Exception):
+            if not landed and _consumed(call):
+                e.add_note(_LOST)
+                for h in claimed:  # gone with the results: say so when they are used
+                    by = object.__getattribute__(h, "_af_consumed_by")
+                    object.__setattr__(h, "_af_consumed_by", -by)
             raise
         if isinstance(e, TypeError):
             _raise_if_not_arrays(step, call, e)
@@ -69,6 +75,25 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             step._analysis.name,
         )
         raise
+    return landed_result(spec, landed[0])
+
+
+# An interrupt raised by Python code that JAX ran after the program (on its first call for
+# some input shapes, JAX's dispatch is Python): the donated inputs are gone, the results too.
+_LOST = (
+    "autoflat: the interrupt came after the compiled program ran and before its results "
+    "reached autoflat: the state passed to this call was consumed (donated) and its results "
+    "are lost. Restart from a checkpoint or from state you kept."
+)
+
+
+def _consumed(call: Call) -> bool:
+    """Whether a donated input of the call is gone: the program ran."""
+    for leaves in call.leaves:
+        for a in leaves:
+            if isinstance(a, jax.Array) and a.is_deleted():
+                return True
+    return False
 
 
 def _raise_if_not_arrays(step: Any, call: Call, cause: Exception) -> None:
@@ -132,16 +157,16 @@ def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
         return step._jit
     if step.donate is True and spec.keeps_inputs is None:
         traced = step._jit.trace(spec, *inputs)
-        spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(inputs[0], traced)
+        spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(spec, inputs[0], traced)
     return step._jit_keep if checks_nans() or _keeps(step, spec) else step._jit
 
 
-def _reshapes_state(state_in: tuple[list[Any], ...], traced: Any) -> bool:
+def _reshapes_state(spec: CallSpec, state_in: tuple[list[Any], ...], traced: Any) -> bool:
     """Whether a state output differs from its input in shapes or dtypes (at `num_steps=1`,
     a parameter returned by name that the step rebinds: `x = f(x); return model, x`). Its
     donated buffers could not hold the output: JAX would warn and the copy made for the
     donation would be wasted, so such a program runs without donation."""
-    state_out = traced.out_info[0]
+    state_out = landed_result(spec, traced.out_info)[0]
     for arrays, flat in zip(state_in, state_out, strict=True):
         if len(arrays) != len(flat.arrays) or any(
             (tuple(a.shape), a.dtype) != (tuple(b.shape), b.dtype)

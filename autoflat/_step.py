@@ -23,7 +23,7 @@ from . import _caches
 from ._analysis import analyse
 from ._call import finish, prepare
 from ._diagnostics import Diagnostics, Stats
-from ._entry import entry, jitted, relinked
+from ._entry import entry, jitted, landed, relinked
 from ._errors import (
     BAD_FLAG,
     BAD_NAMES,
@@ -202,7 +202,7 @@ class Step:
         call = self._in_flight
         if call is None or not self._landed:
             raise error(StateError, NOTHING_TO_RECOVER, self._analysis)
-        state_out, outputs = self._landed[0]
+        state_out, outputs = landed(call.spec, self._landed[0])
         result = finish(self, call, state_out, outputs)
         self._in_flight = None
         self._landed.clear()
@@ -229,7 +229,7 @@ class Step:
         """The step's result for these arguments as `jax.ShapeDtypeStruct`s, in the shape the
         step returns (state as its real objects), computed without compiling or running."""
         call = prepare(self, args, kwargs)
-        fn = functools.partial(entry, None, call.spec, repack=False)
+        fn = functools.partial(entry, None, call.spec, repack=False, as_list=False)
         state_out, outputs = jax.eval_shape(fn, *call.inputs())
         state = [flat.structure.unflatten(flat.arrays) for flat in relinked(call.spec, state_out)]
         return call.program.result(state, outputs)

@@ -134,8 +134,8 @@ def autoflat_private() -> SimpleNamespace:
         return result
 
     def bare_next_args(args: tuple[Any, ...], out: Any) -> tuple[Any, ...]:
-        state_out, _ = out
-        return (tuple(flat.arrays for flat in state_out), *args[1:])
+        state_out, _ = out  # [state arrays per argument, output leaves]
+        return (tuple(state_out), *args[1:])
 
     def auto_max_elements() -> int:
         from autoflat import _transport

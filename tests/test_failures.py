@@ -578,6 +578,79 @@ def test_a_keyboard_interrupt_after_the_program_ran_is_recoverable(monkeypatch):
     np.testing.assert_allclose(s["n"], 6.0)
 
 
+@jax.tree_util.register_pytree_node_class
+class _Metrics:
+    """A user's pytree class among a step's outputs: JAX rebuilds it with Python code, after
+    the program ran. `interrupt` makes that code raise as a Ctrl-C landing there would."""
+
+    interrupt = False
+
+    def __init__(self, loss):
+        self.loss = loss
+
+    def tree_flatten(self):
+        return (self.loss,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        if cls.interrupt:
+            cls.interrupt = False
+            raise KeyboardInterrupt
+        return cls(*children)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_an_interrupt_while_the_outputs_are_rebuilt_is_recoverable(k):
+    """It came while JAX rebuilt the outputs from the program's buffers, in Python, before
+    they reached the step: the donated state and the new one were both lost."""
+
+    def update(state, x):
+        state = {"sum": state["sum"] + x, "n": state["n"] + 1}
+        return state, _Metrics(jnp.sum(x))
+
+    step = autoflat.step(update, num_steps=k)
+    xs = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    s, _ = step(_zeros_state(), xs)
+    _Metrics.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        step(s, xs)
+    s, m = step.recover()
+    np.testing.assert_allclose(s["sum"], [2.0 * k] * 3)
+    np.testing.assert_allclose(m.loss, [3.0] * k if k > 1 else 3.0)
+
+
+def test_an_interrupt_after_the_program_ran_that_lost_its_results_says_so(monkeypatch):
+    """Where autoflat cannot keep the results (JAX's own Python dispatch, on a first call for
+    some input shapes, stopped after the program ran), the interrupt and later uses of the
+    consumed state say what happened, instead of JAX's "Array has been deleted"."""
+    from helpers import accumulate, ones
+
+    import autoflat._launch as launch_module
+
+    step = autoflat.step(accumulate, num_steps=2)
+    s, _ = step(_zeros_state(), ones(2))
+    runner = launch_module.runner
+
+    def interrupted_after_running(*args, **kwargs):
+        jit = runner(*args, **kwargs)
+
+        def run(*a):
+            jax.block_until_ready(jit(*a))
+            raise KeyboardInterrupt
+
+        return run
+
+    monkeypatch.setattr(launch_module, "runner", interrupted_after_running)
+    with pytest.raises(KeyboardInterrupt) as info:
+        step(s, ones(2))
+    assert "its results are lost" in "".join(getattr(info.value, "__notes__", []))
+    monkeypatch.setattr(launch_module, "runner", runner)
+    with pytest.raises(autoflat.ConsumedError, match="which an interrupt stopped"):
+        s["sum"]
+    with pytest.raises(autoflat.StateError, match="nothing to recover"):
+        step.recover()
+
+
 def test_a_keyboard_interrupt_before_the_program_ran_leaves_the_inputs(monkeypatch):
     from helpers import accumulate, ones
 

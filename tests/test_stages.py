@@ -62,11 +62,13 @@ def test_bare_program_takes_the_lowered_args():
     update, _, params, opt_state, xs = _setup(4)
     step = autoflat.step(update, num_steps=4, donate=False)
     lowered = step.lower(params, opt_state, xs)
+    # What it returns is built without Python (no pytree classes): the state's buffers per
+    # state argument, then the outputs' leaves.
     state_out, outputs = lowered.compile().jax(*lowered.args)
-    (p_flat, _), losses = state_out, outputs
+    (p_arrays, _), (losses,) = state_out, outputs
     p, _, ref_losses = step(params, opt_state, xs)
-    np.testing.assert_array_equal(p_flat.arrays[0], p["w"])
-    np.testing.assert_array_equal(losses[0], ref_losses)
+    np.testing.assert_array_equal(p_arrays[0], p["w"])
+    np.testing.assert_array_equal(losses, ref_losses)
 
 
 def test_compiled_refuses_other_structures():

@@ -137,3 +137,28 @@ def test_a_dropped_step_is_freed_with_its_broadcast_arrays():
     # Nothing outside the step (JAX's caches included) keeps it, its programs or its arrays.
     assert [r() for r in refs] == [None, None, None]
     assert len(jax.live_arrays()) == before
+
+
+def test_outputs_that_branch_on_a_batch_shape_come_back_as_traced():
+    """Per-step inputs of another shape trace the same call spec again; results whose
+    structure then differs (code that branches on a shape) come back as that trace built
+    them, not in the first trace's structure."""
+    import numpy as np
+
+    def update(state, x):
+        state = {"w": state["w"] + jnp.sum(x)}
+        if x.shape[0] > 2:
+            return state, {"big": jnp.sum(x), "n": x.shape[0] * jnp.ones(())}
+        return state, jnp.sum(x)
+
+    step = autoflat.step(update)
+    s = {"w": jnp.zeros(())}
+    s, small = step(s, jnp.ones(2))
+    s, big = step(s, jnp.ones(4))
+    s, small2 = step(s, jnp.ones(2))
+    s, big2 = step(s, jnp.ones(4))
+    assert float(small) == float(small2) == 2.0
+    assert set(big) == set(big2) == {"big", "n"}
+    np.testing.assert_allclose([big["big"], big2["n"]], [4.0, 4.0])
+    np.testing.assert_allclose(s["w"], 12.0)
+    assert autoflat.stats(step).traces == 2
