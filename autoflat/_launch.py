@@ -35,7 +35,8 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
     executable `compiled` (which takes the inputs without the spec).
 
     With `donate=True`, a program that calls back to the host (found at its first trace) runs
-    without donation: it can fail while running, after donated inputs are gone."""
+    without donation: it can fail while running, after donated inputs are gone. Such a
+    program that also writes back into the caller's objects is waited for before they are."""
     __tracebackhide__ = True
     spec, inputs = call.spec, call.inputs()
     claimed = _claim(step, call.donated) if call.donated and step.donate else ()
@@ -50,7 +51,14 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             landed.extend(itertools.starmap(compiled, (inputs,)))
         else:
             landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
+        if spec.calls_back and call.program.written_back_idx:
+            # It can fail while it runs, after this returned (on an accelerator): wait for
+            # it, so that a failure raises here and not later from the caller's objects,
+            # which the write-back would have filled with broken arrays in place of values.
+            jax.block_until_ready(landed[0])
     except BaseException as e:
+        if landed and isinstance(e, Exception):
+            landed.clear()  # the program failed while it ran: its results are broken
         if not landed and not _consumed(call):
             # The program did not run: nothing donated, nothing to recover.
             step._in_flight = None
@@ -153,11 +161,12 @@ def runner(step: Any, spec: CallSpec, inputs: tuple[Any, ...]) -> Any:
     which the jit then reuses) the program may fail at run time, or a state output cannot
     reuse its input's buffers, and the step did not ask for `donate="always"`; never
     donating while `checks_nans()`."""
+    if spec.keeps_inputs is None:
+        traced = step._jit.trace(spec, *inputs)
+        spec.calls_back = calls_back(traced.jaxpr)
+        spec.keeps_inputs = spec.calls_back or _reshapes_state(spec, inputs[0], traced)
     if not step.donate:
         return step._jit
-    if step.donate is True and spec.keeps_inputs is None:
-        traced = step._jit.trace(spec, *inputs)
-        spec.keeps_inputs = calls_back(traced.jaxpr) or _reshapes_state(spec, inputs[0], traced)
     return step._jit_keep if checks_nans() or _keeps(step, spec) else step._jit
 
 

@@ -183,6 +183,7 @@ class CallSpec:
         "pack",
         "fn",
         "keeps_inputs",
+        "calls_back",
         "landing",
         "__weakref__",
     )
@@ -216,6 +217,7 @@ class CallSpec:
         # program calls back to the host (`calls_back`: it can fail after its inputs are
         # gone), or a state output cannot reuse its input's buffers.
         self.keeps_inputs: bool | None = None
+        self.calls_back = False  # the program calls back to the host (set with keeps_inputs)
         # What the program's flat result stands for (set at its first trace; see
         # `_entry.flat_result`): per state output its (structure, layout), the outputs' treedef.
         self.landing: tuple[tuple[tuple[Structure, Layout | None], ...], Any] | None = None

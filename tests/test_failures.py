@@ -67,6 +67,58 @@ def test_a_run_time_failure_leaves_mutation_style_state_intact():
     np.testing.assert_allclose(totals["w"], [2.0] * 3)
 
 
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("style", ["dict", "nnx"])
+def test_a_failure_seen_only_when_waited_for_leaves_mutation_style_state_intact(
+    monkeypatch, donate, style
+):
+    """On an accelerator, a program that calls back can fail after the call returned: the
+    error shows when its results are waited for. Mutation-style state then held the broken
+    results in place of its values (the write-back came first). XLA:CPU runs such programs
+    to the end before it returns, so the failure is simulated here: the wait raises once."""
+    check = _Flaky(fail_on=-1)
+    if style == "nnx":
+        nnx = pytest.importorskip("flax.nnx")
+
+        class Totals(nnx.Module):
+            def __init__(self):
+                self.w = nnx.Param(jnp.zeros(3))
+
+        def update(totals, x):
+            w = jax.pure_callback(check, jax.ShapeDtypeStruct((3,), jnp.float32), totals.w + x)
+            totals.w[...] = w
+
+        totals = Totals()
+        value = lambda: np.asarray(totals.w[...])  # noqa: E731
+    else:
+
+        def update(totals, x):
+            w = jax.pure_callback(check, jax.ShapeDtypeStruct((3,), jnp.float32), totals["w"] + x)
+            totals["w"] = w
+
+        totals = {"w": jnp.zeros(3)}
+        value = lambda: np.asarray(totals["w"])  # noqa: E731
+    step = autoflat.step(update, donate=donate)
+    step(totals, jnp.ones(3))
+    step(totals, jnp.ones(3))
+    real_wait, waits = jax.block_until_ready, []
+
+    def failing_wait(x):
+        waits.append(x)
+        raise RuntimeError("the program failed while it ran")
+
+    monkeypatch.setattr(jax, "block_until_ready", failing_wait)
+    with pytest.raises(RuntimeError, match="failed while it ran"):
+        step(totals, jnp.ones(3))
+    monkeypatch.setattr(jax, "block_until_ready", real_wait)
+    assert waits  # the call waited for its results before writing them back
+    np.testing.assert_allclose(value(), [2.0] * 3)
+    with pytest.raises(autoflat.StateError, match="nothing to recover"):
+        step.recover()
+    step(totals, jnp.ones(3))
+    np.testing.assert_allclose(value(), [3.0] * 3)
+
+
 def test_a_program_that_calls_back_is_traced_once_and_its_inputs_not_copied():
     step = autoflat.step(_callback_step(_Flaky(fail_on=-1)))
     s = step({"w": jnp.zeros(3)}, jnp.ones(3))
