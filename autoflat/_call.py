@@ -127,7 +127,12 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             leaves[k] = copy_leaves(leaves[k])
         step._diag.stats.copies += len(call.copies)
     call.leaves = tuple(leaves)
-    call.xs = tuple(args[i] for i in program.scanned_idx)
+    # A handle as a per-step input goes in as the object it stands for: JAX would flatten
+    # the handle itself after `launch` claimed it (when it is also the donated state).
+    call.xs = tuple(
+        LazyHandle._af_get(a) if type(a) is LazyHandle else a
+        for a in (args[i] for i in program.scanned_idx)
+    )
     return call
 
 

@@ -374,6 +374,24 @@ def test_the_same_handle_as_state_and_as_another_argument():
     np.testing.assert_allclose(s2["w"], [4.0, 4.0])
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_same_handle_as_state_and_as_the_per_step_input(k):
+    """It raised the consumed error from JAX's flattening of the per-step input, which
+    `launch` had claimed as the donated state."""
+
+    def update(state, x):
+        state = {"w": state["w"] + jnp.sum(x["w"])}
+        return state
+
+    def make(state, x):
+        state = {"w": state["w"] * x}
+        return state
+
+    h = autoflat.step(make)({"w": jnp.ones((k, 2))}, 2.0)  # a handle
+    out = autoflat.step(update, num_steps=k)(h, h)
+    np.testing.assert_allclose(out["w"], np.full((k, 2), 2.0 + 4.0 * k))  # 4 per step
+
+
 class _Dict:
     """The same, with a `__dict__`: written back in place."""
 
