@@ -24,6 +24,7 @@ back into the caller's objects, and assembles the result in the user's order.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -34,7 +35,6 @@ from ._abstract import SCALARS
 from ._entry import relinked
 from ._errors import BAD_CALL, CallError, error
 from ._handles import _UNBUILT, LazyHandle, new_handle
-from ._launch import donates
 from ._program import CallSpec, Program, instance_attributes
 from ._structure import (
     FlatState,
@@ -64,6 +64,8 @@ class Call:
         "nnx_vars",
         "links",
         "copies",
+        "landed",
+        "donating",
     )
 
     args: tuple[Any, ...]  # in parameter order
@@ -77,6 +79,12 @@ class Call:
     nnx_vars: dict[int, list[Any]]  # per state position, the Flax NNX Variables to write
     links: tuple[_nnx.Link | None, ...] | None  # Flax NNX Variables shared between state
     copies: list[int]  # state positions holding the caller's own buffers (copied if donated)
+    landed: collections.deque[Any]  # the program's results, as they land (`_launch.launch`)
+    donating: bool  # whether the launch donated the state leaves (set by `launch`)
+
+    def __init__(self) -> None:
+        self.landed = collections.deque(maxlen=1)
+        self.donating = False
 
     def inputs(self) -> tuple[Any, ...]:
         """The arguments of the compiled program, after the static spec."""
@@ -127,13 +135,31 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             leaves[k] = copy_leaves(leaves[k])
         step._diag.stats.copies += len(call.copies)
     call.leaves = tuple(leaves)
-    # A handle as a per-step input goes in as the object it stands for: JAX would flatten
-    # the handle itself after `launch` claimed it (when it is also the donated state).
-    call.xs = tuple(
-        LazyHandle._af_get(a) if type(a) is LazyHandle else a
-        for a in (args[i] for i in program.scanned_idx)
-    )
+    call.xs = tuple(args[i] for i in program.scanned_idx)
+    if call.donated and step.donate and _handles_in(call.xs, call.donated):
+        # A handle in a per-step input that is also the donated state goes in as a copy of
+        # the tree it stands for: JAX would flatten the handle itself after `launch` claimed
+        # it. (The state's leaves are copies then: see `_take_state`.)
+        call.xs = jax.tree_util.tree_map(
+            lambda h: _tree_of(h) if type(h) is LazyHandle else h, call.xs, is_leaf=_is_handle
+        )
     return call
+
+
+def _is_handle(x: Any) -> bool:
+    return type(x) is LazyHandle
+
+
+def _handles_in(xs: Any, donated: list[LazyHandle]) -> bool:
+    """Whether a per-step input is, or holds, one of the handles donated as state."""
+    ids = {id(h) for h in donated}
+    return any(id(x) in ids for x in jax.tree_util.tree_leaves(xs, is_leaf=_is_handle))
+
+
+def _tree_of(h: LazyHandle) -> Any:
+    """A new tree of the arrays that handle `h` stands for (not cached in the handle)."""
+    structure, arrays = LazyHandle._af_leaves(h)
+    return structure.unflatten(arrays)
 
 
 def _take_state(
@@ -247,7 +273,12 @@ def _take_state(
     if donated and step.donate:
         # A handle given as state and also as another argument (broadcast, per-step): its
         # buffers would be donated and read in one call. The state's copy is donated.
-        others = {id(args[i]) for i in (*program.bcast_idx, *program.scanned_idx)}
+        others = {id(args[i]) for i in program.bcast_idx}
+        others.update(
+            id(x)
+            for i in program.scanned_idx
+            for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
+        )
         if others.intersection(map(id, donated)):
             for k, i in enumerate(program.state_idx):
                 if type(args[i]) is LazyHandle and id(args[i]) in others:
@@ -334,7 +365,7 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
     """After the launch: consume, wrap, write back; the step's result in the user's order."""
     program, spec, args = call.program, call.spec, call.args
     state_out = relinked(spec, state_out)
-    if not donates(step, spec):
+    if not call.donating:
         for h in call.donated:  # claimed by `launch`, not donated after all
             object.__setattr__(h, "_af_consumed_by", 0)
     handles = new_handles(step, spec, state_out)

@@ -186,6 +186,13 @@ was stopped before its program ran (then the state you passed in is intact: call
 again with it), or the step was called again since.
 """
 
+CONSUMED_BY_INTERRUPTED = """\
+Calling `{name}` ({where}): state passed to this call was consumed by call {call}, which a \
+KeyboardInterrupt stopped after its compiled program ran. Its results are kept: \
+`{name}.recover()` returns them as that call would have (write-backs into your objects \
+included); call it, then go on from what it returns.
+"""
+
 NOT_AN_ARRAY = """\
 Calling `{name}` ({where}): `{path}` is a {type}, not an array, and `{param}` is {role}: JAX can \
 only pass arrays (and Python numbers) into the compiled step. Make it an array, or pass a \
@@ -231,6 +238,9 @@ This `{param}` was consumed by call {call} of `{name}` ({where}): its buffers we
 that call, which updated them in place. Use the value that call returned instead:
 
     {param}, ... = {name}({param}, ...)
+
+If that call was stopped by a KeyboardInterrupt after its program ran, `recover()` on the \
+step returns what it would have.
 
 To keep an independent copy before the call, use `copy.deepcopy({param})` (or
 `jax.tree.map(jnp.copy, autoflat.unwrap({param}))`), or decorate with

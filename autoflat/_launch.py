@@ -21,7 +21,7 @@ import jax
 from . import _loading
 from ._entry import calls_back
 from ._entry import landed as landed_result
-from ._errors import NOT_AN_ARRAY, CallError, error
+from ._errors import CONSUMED_BY_INTERRUPTED, NOT_AN_ARRAY, CallError, StateError, error
 from ._handles import LazyHandle
 from ._program import CallSpec
 from ._structure import is_array
@@ -30,9 +30,12 @@ if TYPE_CHECKING:
     from ._call import Call
 
 
-def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) -> Any:
+def launch(
+    step: Any, call: Call, compiled: Callable[..., Any] | None = None, donating: bool = False
+) -> Any:
     """Run the compiled program on a prepared call: the step's `jax.jit`, or an ahead-of-time
-    executable `compiled` (which takes the inputs without the spec).
+    executable `compiled` (which takes the inputs without the spec; `donating`: whether it
+    was lowered to donate them). Sets `call.donating` to what the launch did.
 
     With `donate=True`, a program that calls back to the host (found at its first trace) runs
     without donation: it can fail while running, after donated inputs are gone. Such a
@@ -40,17 +43,19 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
     __tracebackhide__ = True
     spec, inputs = call.spec, call.inputs()
     claimed = _claim(step, call.donated) if call.donated and step.donate else ()
-    # The results land in the step's `_landed` from C (`deque.extend` of a `starmap`), with no
+    # The results land in the call's `landed` from C (`deque.extend` of a `starmap`), with no
     # Python bytecode between the program's return and their store: a KeyboardInterrupt
     # that Python raises right after the program returned leaves them reachable from the step
-    # (`Step.recover`), not lost with the inputs it consumed.
-    landed = step._landed
-    landed.clear()
+    # (`Step.recover`, through `step._in_flight`), not lost with the inputs it consumed.
+    landed = call.landed
     try:
         if compiled is not None:
+            call.donating = donating
             landed.extend(itertools.starmap(compiled, (inputs,)))
         else:
-            landed.extend(itertools.starmap(runner(step, spec, inputs), ((spec, *inputs),)))
+            jit = runner(step, spec, inputs)
+            call.donating = bool(step.donate) and jit is step._jit
+            landed.extend(itertools.starmap(jit, ((spec, *inputs),)))
         if spec.calls_back and call.program.written_back_idx:
             # It can fail while it runs, after this returned (on an accelerator): wait for
             # it, so that a failure raises here and not later from the caller's objects,
@@ -61,7 +66,8 @@ def launch(step: Any, call: Call, compiled: Callable[..., Any] | None = None) ->
             landed.clear()  # the program failed while it ran: its results are broken
         if not landed and not _consumed(call):
             # The program did not run: nothing donated, nothing to recover.
-            step._in_flight = None
+            if step._in_flight is call:
+                step._in_flight = None
             for h in claimed:
                 object.__setattr__(h, "_af_consumed_by", 0)
         if not isinstance(e, Exception):
@@ -96,12 +102,33 @@ _LOST = (
 
 
 def _consumed(call: Call) -> bool:
-    """Whether a donated input of the call is gone: the program ran."""
-    for leaves in call.leaves:
-        for a in leaves:
-            if isinstance(a, jax.Array) and a.is_deleted():
-                return True
+    """Whether the program ran and consumed state the caller holds: the buffers of a handle
+    passed as state, or arrays of a state object (written into it by an earlier call, and
+    donated without a copy). Copies autoflat made for the call do not count."""
+    for i in call.program.state_idx:
+        a = call.args[i]
+        if type(a) is LazyHandle:
+            arrays = object.__getattribute__(a, "_af_arrays")
+        else:
+            arrays = jax.tree_util.tree_leaves(a)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in arrays):
+            return True
     return False
+
+
+def check_pending(step: Any, pending: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Before a call, while an interrupted call's results wait for `recover()`: refuse state
+    that call consumed (its arrays are gone) with an error that says where the new state is,
+    before the call forgets the interrupted one. (A consumed handle raises the consumed
+    error by itself.)"""
+    for leaf in jax.tree_util.tree_leaves((args, kwargs), is_leaf=lambda x: type(x) is LazyHandle):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise error(
+                StateError,
+                CONSUMED_BY_INTERRUPTED,
+                step._analysis,
+                call=step._diag.stats.calls - 1,
+            )
 
 
 def _raise_if_not_arrays(step: Any, call: Call, cause: Exception) -> None:
@@ -187,8 +214,3 @@ def _reshapes_state(spec: CallSpec, state_in: tuple[list[Any], ...], traced: Any
 
 def _keeps(step: Any, spec: CallSpec) -> bool:
     return step.donate is True and bool(spec.keeps_inputs)
-
-
-def donates(step: Any, spec: CallSpec) -> bool:
-    """Whether a launch of `spec` donated the state it was given."""
-    return bool(step.donate) and not _keeps(step, spec) and not checks_nans()

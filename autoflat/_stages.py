@@ -18,27 +18,29 @@ from ._launch import launch
 class Traced:
     """A traced step (`Step.trace(*args)`): `.jaxpr`, `.lower()`, and JAX's `Traced` as `.jax`."""
 
-    def __init__(self, step: Any, call: Call, traced: Any) -> None:
+    def __init__(self, step: Any, call: Call, traced: Any, donating: bool) -> None:
         self._step = step
         self._call = call
         self.jax = traced
+        self._donating = donating
 
     @property
     def jaxpr(self) -> Any:
         return self.jax.jaxpr
 
     def lower(self) -> Lowered:
-        return Lowered(self._step, self._call, self.jax.lower())
+        return Lowered(self._step, self._call, self.jax.lower(), self._donating)
 
 
 class Lowered:
     """A lowered step (`Step.lower(*args)`): `.compile()`, `.as_text()`, `.cost_analysis()`,
     JAX's `Lowered` as `.jax` and the compiled program's flat inputs as `.args`."""
 
-    def __init__(self, step: Any, call: Call, lowered: Any) -> None:
+    def __init__(self, step: Any, call: Call, lowered: Any, donating: bool) -> None:
         self._step = step
         self._call = call
         self.jax = lowered
+        self._donating = donating  # whether the program donates the state leaves
 
     @property
     def args(self) -> tuple[Any, ...]:
@@ -53,7 +55,7 @@ class Lowered:
         return self.jax.cost_analysis()
 
     def compile(self) -> Compiled:
-        return Compiled(self._step, self._call.spec, self.jax.compile())
+        return Compiled(self._step, self._call.spec, self.jax.compile(), self._donating)
 
 
 class Compiled:
@@ -62,10 +64,11 @@ class Compiled:
     `cost_analysis()`, `memory_analysis()` and `as_text()` are JAX's; `.jax` is JAX's
     `Compiled` (the bare program, taking `Lowered.args`)."""
 
-    def __init__(self, step: Any, spec: Any, compiled: Any) -> None:
+    def __init__(self, step: Any, spec: Any, compiled: Any, donating: bool) -> None:
         self._step = step
         self._spec = spec
         self.jax = compiled
+        self._donating = donating
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
@@ -75,8 +78,12 @@ class Compiled:
         if call.spec is not self._spec:
             raise error(CallError, AOT_MISMATCH, step._analysis)
         step.stats.calls += 1
-        state_out, outputs = launch(step, call, self.jax)
-        return finish(step, call, state_out, outputs)
+        step._in_flight = call
+        state_out, outputs = launch(step, call, self.jax, self._donating)
+        result = finish(step, call, state_out, outputs)
+        if step._in_flight is call:
+            step._in_flight = None
+        return result
 
     def cost_analysis(self) -> Any:
         return self.jax.cost_analysis()

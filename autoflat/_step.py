@@ -9,7 +9,6 @@ JAX's ahead-of-time stages instead of running it. `source` is the generated text
 
 from __future__ import annotations
 
-import collections
 import functools
 import inspect
 import sys
@@ -39,7 +38,7 @@ from ._errors import (
     where,
 )
 from ._handles import LazyHandle, Origin
-from ._launch import launch, runner
+from ._launch import check_pending, launch, runner
 from ._nnx import NnxState, take_graph_cache
 from ._program import Program, Programs, SpecCache
 from ._roles import Options
@@ -145,9 +144,9 @@ class Step:
         self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
         # Flax NNX objects passed again and again (mutation style).
         self._nnx = NnxState()
-        # The call in progress and its program's results, kept until it finishes (`recover`).
+        # The last call in progress (its program's results land in it), kept until it
+        # finishes (`recover`).
         self._in_flight: Any = None
-        self._landed: collections.deque[Any] = collections.deque(maxlen=1)
         # The step's jit, and the same program without donation for programs that must keep
         # their inputs (they call back to the host, or their state changes shape).
         self._jit, self._jit_keep = jitted(self._diag.note_trace, self.donate)
@@ -180,12 +179,15 @@ class Step:
         # the caller's filters may make it an error, and then every state is still usable.
         self._diag.warn_if_pending(stacklevel=2)
         self._diag.stats.calls += 1
+        pending = self._in_flight
+        if pending is not None and pending.landed:
+            check_pending(self, pending, args, kwargs)
         call = prepare(self, args, kwargs)
         self._in_flight = call
         state_out, outputs = launch(self, call)
         result = finish(self, call, state_out, outputs)
-        self._in_flight = None
-        self._landed.clear()
+        if self._in_flight is call:
+            self._in_flight = None
         return result
 
     def recover(self) -> Any:
@@ -200,12 +202,12 @@ class Step:
 
         **Raises:** `StateError` when there is nothing to recover."""
         call = self._in_flight
-        if call is None or not self._landed:
+        if call is None or not call.landed:
             raise error(StateError, NOTHING_TO_RECOVER, self._analysis)
-        state_out, outputs = landed(call.spec, self._landed[0])
+        state_out, outputs = landed(call.spec, call.landed[0])
         result = finish(self, call, state_out, outputs)
-        self._in_flight = None
-        self._landed.clear()
+        if self._in_flight is call:
+            self._in_flight = None
         return result
 
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
@@ -214,16 +216,16 @@ class Step:
         `jax.jit(f).lower`): `.compile()` gives a callable `Compiled` with `cost_analysis()`
         and `memory_analysis()`. Nothing is donated or written back."""
         call = prepare(self, args, kwargs)
-        return Lowered(
-            self, call, runner(self, call.spec, call.inputs()).lower(call.spec, *call.inputs())
-        )
+        jit = runner(self, call.spec, call.inputs())
+        donating = bool(self.donate) and jit is self._jit
+        return Lowered(self, call, jit.lower(call.spec, *call.inputs()), donating)
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace the step for these arguments (as `jax.jit(f).trace`): `.jaxpr`, `.lower()`."""
         call = prepare(self, args, kwargs)
-        return Traced(
-            self, call, runner(self, call.spec, call.inputs()).trace(call.spec, *call.inputs())
-        )
+        jit = runner(self, call.spec, call.inputs())
+        donating = bool(self.donate) and jit is self._jit
+        return Traced(self, call, jit.trace(call.spec, *call.inputs()), donating)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The step's result for these arguments as `jax.ShapeDtypeStruct`s, in the shape the

@@ -390,6 +390,16 @@ def test_the_same_handle_as_state_and_as_the_per_step_input(k):
     h = autoflat.step(make)({"w": jnp.ones((k, 2))}, 2.0)  # a handle
     out = autoflat.step(update, num_steps=k)(h, h)
     np.testing.assert_allclose(out["w"], np.full((k, 2), 2.0 + 4.0 * k))  # 4 per step
+    maker = autoflat.step(make)
+    h = maker({"w": jnp.ones((k, 2))}, 2.0)
+    out = autoflat.step(lambda_free_nested, num_steps=k)(h, {"batch": h})  # or inside one
+    np.testing.assert_allclose(out["w"], np.full((k, 2), 2.0 + 4.0 * k))
+    assert autoflat.stats(maker).rebuilds == 0  # the handle is not rebuilt in place
+
+
+def lambda_free_nested(state, x):
+    state = {"w": state["w"] + jnp.sum(x["batch"]["w"])}
+    return state
 
 
 class _Dict:
@@ -741,6 +751,121 @@ def test_a_keyboard_interrupt_before_the_program_ran_leaves_the_inputs(monkeypat
         step.recover()
     s, _ = step(s, ones(2))  # the handle passed to the interrupted call is intact
     np.testing.assert_allclose(s["sum"], [4.0, 4.0, 4.0])
+
+
+@pytest.mark.parametrize("style", ["returned", "written_back_with_callback"])
+def test_threads_with_their_own_state_never_get_each_others_results(style):
+    """The program's results landed in one queue per step, read back later: under threads, a
+    call could read another thread's results (wrong values, silently) or find the queue
+    emptied (an IndexError, its handles left claimed)."""
+    import sys
+    import threading
+
+    if style == "returned":
+
+        def update(state, x):
+            state = {"w": state["w"] + x}
+            return state
+
+    else:
+
+        def update(state, x):
+            jax.debug.callback(lambda v: None, x)  # waited for before the write-back
+            state["w"] = state["w"] + x
+
+    step = autoflat.step(update)
+    step({"w": jnp.zeros(4)}, jnp.ones(4))
+    wrong, errors = [], []
+
+    def worker(t):
+        s, expect = {"w": jnp.full((4,), t * 1000.0)}, t * 1000.0
+        for _ in range(150):
+            try:
+                r = step(s, jnp.ones(4))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                return
+            s = r if style == "returned" else s
+            expect += 1
+            if float(np.asarray(s["w"])[0]) != expect:
+                wrong.append((t, expect))
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors and not wrong, (errors[:1], wrong[:1])
+
+
+def test_an_interrupted_call_whose_state_is_retried_points_at_recover(monkeypatch):
+    """Mutation style: the objects held the buffers the interrupted call consumed. Calling
+    the step again with them raised XLA's "Buffer has been deleted" and forgot the results
+    `recover()` would have returned."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    import autoflat._step as step_module
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(2))
+
+    def train(model, x):
+        model.w[...] = model.w[...] + x
+
+    model, step = Model(), autoflat.step(train)
+    step(model, jnp.ones(2))
+    step(model, jnp.ones(2))  # the model now holds buffers autoflat wrote: donated as they are
+    finish = step_module.finish
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(step_module, "finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        step(model, jnp.ones(2))
+    monkeypatch.setattr(step_module, "finish", finish)
+    with pytest.raises(autoflat.StateError, match=r"train.recover\(\)` returns them"):
+        step(model, jnp.ones(2))
+    step.recover()  # still there
+    np.testing.assert_allclose(model.w[...], [3.0, 3.0])
+    step(model, jnp.ones(2))
+    np.testing.assert_allclose(model.w[...], [4.0, 4.0])
+
+
+def test_an_interrupt_after_the_first_run_that_consumed_only_copies_is_not_a_loss(monkeypatch):
+    """The first call donates copies of the caller's arrays: an interrupt after it ran (and
+    before its results landed) leaves the caller's state whole, and says nothing is lost."""
+    from helpers import accumulate, ones
+
+    import autoflat._launch as launch_module
+
+    step = autoflat.step(accumulate, num_steps=2)
+    runner = launch_module.runner
+
+    def interrupted_after_running(*args, **kwargs):
+        jit = runner(*args, **kwargs)
+
+        def run(*a):
+            jax.block_until_ready(jit(*a))
+            raise KeyboardInterrupt
+
+        return run
+
+    state = _zeros_state()
+    monkeypatch.setattr(launch_module, "runner", interrupted_after_running)
+    with pytest.raises(KeyboardInterrupt) as info:
+        step(state, ones(2))
+    assert not getattr(info.value, "__notes__", None)
+    monkeypatch.setattr(launch_module, "runner", runner)
+    s, _ = step(state, ones(2))
+    np.testing.assert_allclose(s["sum"], [2.0] * 3)
 
 
 def test_two_threads_passing_one_handle():

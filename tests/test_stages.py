@@ -114,3 +114,21 @@ def test_eval_shape_returns_the_user_structure():
     assert jax.tree.structure(o) == jax.tree.structure(opt_state)
     assert losses == jax.ShapeDtypeStruct((4,), jnp.float32)
     assert step.stats.traces == 0 and step.stats.calls == 0  # nothing compiled or run
+
+
+def test_a_compiled_step_under_debug_nans_marks_what_it_donated():
+    """`Compiled` runs the executable lowered (donating) before the flag: its inputs are
+    consumed and say so, not JAX's "Array has been deleted" from a handle said intact."""
+
+    def update(state, x):
+        state = {"w": state["w"] + x}
+        return state
+
+    step = autoflat.step(update)
+    s = step({"w": jnp.zeros(3)}, jnp.ones(3))
+    compiled = step.lower(s, jnp.ones(3)).compile()
+    with jax.debug_nans(True):
+        out = compiled(s, jnp.ones(3))
+    np.testing.assert_allclose(out["w"], [2.0] * 3)
+    with pytest.raises(autoflat.ConsumedError):
+        s["w"]
