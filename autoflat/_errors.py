@@ -333,6 +333,17 @@ state, for example:
 or return the state by name (`{param} = ...` then `return {param}, ...`).
 """
 
+STATE_NESTED = """\
+`{name}` ({where}): `{param}` comes back inside return position {pos}, at `{path}`, not at a \
+position of its own. With num_steps={num_steps}, autoflat carries state from one step to the \
+next only at top-level return positions: `{param}` would be taken as a broadcast input, and \
+every step would start again from the value you passed in. Return it at its own position:
+
+    return {param}, ...
+
+(and unpack the call's result the same way), or use num_steps=1.
+"""
+
 STATE_NOT_MATCHED = """\
 `{name}` ({where}): `{param}` is named in state= but no `return` gives back a value with its \
 tree structure, shapes and dtypes ({returns}), and the body does not assign into it. State \

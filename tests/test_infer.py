@@ -463,3 +463,28 @@ def test_state_whose_first_axis_is_num_steps_returned_under_another_name():
     step = autoflat.step(update, num_steps=K, state="params")
     (got,), _ = _run(step, (start,), (xs,), 8, K)
     tree_allclose(ref, got, rtol=1e-6)
+
+
+def test_state_returned_nested_in_a_tuple_is_refused_at_k_steps():
+    """`return (params, opt_state), loss`: the two were taken as broadcast inputs, and at
+    num_steps=4 every step restarted from the params passed in, silently (losses [1, 1, 1,
+    1], params stacked four times). At num_steps=1 the call is right (the values come back
+    as outputs), as under jax.jit."""
+    tx = optax.adam(0.1)
+
+    def update(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((x * p["w"] - 1.0) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state), loss
+
+    params = {"w": jnp.zeros(3)}
+    step = autoflat.step(update, num_steps=4)
+    with pytest.raises(
+        autoflat.OptionError, match=r"`params` comes back inside return position 0, at `\[0\]\[0\]`"
+    ):
+        step(params, tx.init(params), jnp.ones((4, 3)))
+    np.testing.assert_allclose(params["w"], 0.0)  # still usable
+    (p, _), loss = autoflat.step(update)(params, tx.init(params), jnp.ones(3))
+    (rp, _), rloss = jax.jit(update)(params, tx.init(params), jnp.ones(3))
+    tree_allclose(p, rp)
