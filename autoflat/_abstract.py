@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,15 @@ def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple
     return rebuild, abstract
 
 
+def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
+    """The names of `fn`'s keyword-only parameters (after `*`): passed by name."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def eval_one_step(
     fn: Callable[..., Any],
     params: tuple[str, ...],
@@ -77,15 +87,18 @@ def eval_one_step(
             )
 
     found: dict[str, Any] = {}
+    keyword_only = _keyword_only(fn)
 
     def one_step(arrays: list[list[Any]]) -> Any:
         args = [
             value if rebuild is None else rebuild(a)
             for (rebuild, value), a in zip(parts, arrays, strict=True)
         ]
+        positional = [a for p, a in zip(params, args, strict=True) if p not in keyword_only]
+        named = {p: a for p, a in zip(params, args, strict=True) if p in keyword_only}
         # Only traced values leave the evaluation; the rest (Python values, constants) are
         # kept as they are, so a Python scalar returned unchanged stays one.
-        leaves, treedef = jax.tree_util.tree_flatten(fn(*args))
+        leaves, treedef = jax.tree_util.tree_flatten(fn(*positional, **named))
         found["treedef"] = treedef
         found["n"] = len(leaves)
         found["lengths"] = []

@@ -488,3 +488,36 @@ def test_state_returned_nested_in_a_tuple_is_refused_at_k_steps():
     (p, _), loss = autoflat.step(update)(params, tx.init(params), jnp.ones(3))
     (rp, _), rloss = jax.jit(update)(params, tx.init(params), jnp.ones(3))
     tree_allclose(p, rp)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_keyword_only_parameters(k):
+    """`def update(params, opt_state, *, x, y, num_classes)`: the first call's evaluation
+    passed every argument by position (a TypeError, or at k=4 a misleading leading-axis
+    error)."""
+    tx = optax.sgd(0.1)
+
+    def update(params, opt_state, *, x, y, num_classes):
+        def loss_fn(p):
+            logits = x @ p["w"] + p["b"]
+            return -jnp.mean(jnp.sum(jax.nn.one_hot(y, num_classes) * logits, axis=-1))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+    xs = jax.random.normal(jax.random.key(0), (k, 5, 3))
+    ys = jnp.arange(k * 5).reshape(k, 5) % 4
+    step = autoflat.step(update, num_steps=k)
+    if k == 1:
+        p, o, losses = step(params, tx.init(params), x=xs[0], y=ys[0], num_classes=4)
+    else:
+        p, o, losses = step(params, tx.init(params), x=xs, y=ys, num_classes=4)
+    ref = jax.jit(update, static_argnames="num_classes")
+    rp, ro, rl = params, tx.init(params), []
+    for i in range(k):
+        rp, ro, loss = ref(rp, ro, x=xs[i], y=ys[i], num_classes=4)
+        rl.append(loss)
+    tree_allclose(p, rp)
+    np.testing.assert_allclose(losses, rl[0] if k == 1 else rl, rtol=1e-5)
