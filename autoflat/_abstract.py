@@ -72,7 +72,7 @@ def eval_one_step(
 ) -> Any:
     """The abstract value one step returns, for these arguments. With `after`, its keys are
     parameters whose leaves after the step (updated in place: state written back) are put
-    there, abstract where traced."""
+    there as (key path, leaf) pairs, abstract where traced."""
     parts = []
     for p in params:
         role = roles[p]
@@ -102,9 +102,13 @@ def eval_one_step(
         found["treedef"] = treedef
         found["n"] = len(leaves)
         found["lengths"] = []
+        found["paths"] = []
         for p in after or ():
-            changed = jax.tree_util.tree_leaves(args[params.index(p)])
+            pairs = jax.tree_util.tree_leaves_with_path(args[params.index(p)])
+            paths = [path for path, _ in pairs]
+            changed = [x for _, x in pairs]
             found["lengths"].append(len(changed))
+            found["paths"].append(paths)
             leaves += changed
         found["leaves"] = leaves
         traced = [isinstance(x, jax.core.Tracer) for x in leaves]
@@ -118,8 +122,8 @@ def eval_one_step(
     n = found["n"]
     if after is not None:
         start = n
-        for p, count in zip(after, found["lengths"], strict=True):
-            after[p] = leaves[start : start + count]
+        for p, count, paths in zip(after, found["lengths"], found["paths"], strict=True):
+            after[p] = list(zip(paths, leaves[start : start + count], strict=True))
             start += count
     return found["treedef"].unflatten(leaves[:n])
 

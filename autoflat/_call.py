@@ -217,7 +217,7 @@ def _take_state(
         if type(a) is LazyHandle:
             a = LazyHandle._af_get(a)
         if to_array[k]:
-            structure, arrays = _with_arrays(a, to_array[k])
+            structure, arrays = _with_arrays(a, to_array[k], firsts[k])
             stats.flattens += 1
         else:
             structure, arrays = flatten(a)
@@ -232,7 +232,7 @@ def _take_state(
             firsts[k] = structure
         elif structure is not first:
             late = _late_scalars(first, structure)
-            if late:
+            if late:  # (only for a value of the first call's tree)
                 structure, arrays = _with_arrays(a, tuple(sorted({*to_array[k], *late})))
         placement = placement_of(arrays)
         unpacked[k] = arrays
@@ -325,13 +325,18 @@ def _late_scalars(first: Structure, now: Structure) -> tuple[int, ...]:
     )
 
 
-def _with_arrays(value: Any, indices: tuple[int, ...]) -> tuple[Structure, list[Any]]:
+def _with_arrays(
+    value: Any, indices: tuple[int, ...], first: Structure | None = None
+) -> tuple[Structure, list[Any]]:
     """Flatten `value` with the Python scalars at these leaf indices made arrays (they come
-    back from the step as arrays: `TrainState.step`)."""
+    back from the step as arrays: `TrainState.step`). The indices are those of the first
+    call's tree (`first`): a value of another tree (a key added since) keeps its leaves (see
+    `_late_scalars`)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    for i in indices:
-        if not is_array(leaves[i]):
-            leaves[i] = jnp.asarray(leaves[i])
+    if first is None or treedef == first.treedef:
+        for i in indices:
+            if not is_array(leaves[i]):
+                leaves[i] = jnp.asarray(leaves[i])
     return intern(treedef, leaves)
 
 

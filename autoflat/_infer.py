@@ -454,21 +454,22 @@ def _to_array(
         if p in after:
             outs = after[p]
         elif p in positions and outputs:
-            outs = jax.tree_util.tree_leaves(outputs[positions[p]])
+            outs = jax.tree_util.tree_leaves_with_path(outputs[positions[p]])
         else:
             outs = None
-        ins = leaves[p]
-        if not scalars[p] or outs is None or len(ins) != len(outs):
+        if not scalars[p] or outs is None:
             result.append(())
             continue
-        result.append(
-            tuple(
-                i
-                for i in scalars[p]
-                if isinstance(outs[i], jax.ShapeDtypeStruct)
-                or (type(outs[i]), outs[i]) != (type(ins[i]), ins[i])
-            )
-        )
+        # Leaves matched by key path: the step may add or drop keys (`d.setdefault(...)`).
+        by_path = dict(outs)
+        ins = jax.tree_util.tree_leaves_with_path(values[p])
+        changed = []
+        for i in scalars[p]:
+            path, x = ins[i]
+            y = by_path.get(path, x)
+            if isinstance(y, jax.ShapeDtypeStruct) or (type(y), y) != (type(x), x):
+                changed.append(i)
+        result.append(tuple(changed))
     return tuple(result)
 
 

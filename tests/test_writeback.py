@@ -67,3 +67,26 @@ def test_python_numbers_in_a_dict_changed_in_place(k):
     assert flags == {"mode": "train", "off": False}
     assert float(params["w"][0]) == pytest.approx(1.0 - 0.5 * 3 * k)
     assert autoflat.stats(step).traces == 1
+
+
+def test_python_numbers_in_a_dict_that_gains_a_key():
+    """A running-totals dict that the step also gives a new key (`setdefault`): the count
+    it adds to stayed a Python int (matched by leaf index, the trees differed in length), and
+    the step traced again on every call."""
+
+    def update(w, totals, x):
+        loss = jnp.sum((w * x - 1.0) ** 2)
+        w = w - 0.01 * jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        totals["a_loss"] = totals["a_loss"] + loss
+        totals["count"] += 1
+        totals.setdefault("max", jnp.asarray(-jnp.inf))
+        totals["max"] = jnp.maximum(totals["max"], loss)
+        return w
+
+    step = autoflat.step(update)
+    w, totals = jnp.zeros(3), {"a_loss": jnp.zeros(()), "count": 0, "tag": 7}
+    for _ in range(10):
+        w = step(w, totals, jnp.ones(3))
+    assert isinstance(totals["count"], jax.Array) and int(totals["count"]) == 10
+    assert totals["tag"] == 7 and type(totals["tag"]) is int
+    assert autoflat.stats(step).traces == 2  # the dict without, then with, its new key
