@@ -150,11 +150,13 @@ CASES: dict[str, Case] = {
         # than separate calls (with unroll=4 every leaf matches to 2e-7), and Adam on a GAN
         # with BatchNorm amplifies it: an element whose gradient is float noise moves by up to
         # the learning rate (2e-4) a step. Measured: 1605 of 44736 state elements (3.6%) past
-        # the usual tolerance, the largest by 9e-5. Bound: 8 steps of the learning rate for
-        # every element, and at most 5% of them past the usual tolerance.
+        # the usual tolerance, the largest by 9e-5; with jax/jaxlib 0.10.2 and equinox
+        # 0.13.8, 5069 (11.3%), the largest by 2.4e-4 (and with unroll=4, none: 3.6e-7 at
+        # most; also the same with pack=False). Bound: 8 steps of the learning rate for every
+        # element, and at most 15% of them past the usual tolerance.
         rtol=0.0,
         atol=8 * 2e-4,
-        outliers=0.05,
+        outliers=0.15,
     ),
     # optax's examples
     "optax_getting_started": Case("optax", "step", jax.jit),
