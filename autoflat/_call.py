@@ -122,7 +122,9 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     bcast_structures, call.bcast_leaves = _take_broadcast(step, program, args)
     for k, i in program.written_back_idx:
         if type(args[i]) is not LazyHandle:
-            _writeback.check_writable(structures[k].treedef, program.roles.state[k], step._analysis)
+            _writeback.check_writable(
+                structures[k].treedef, program.roles.state[k], step._analysis, args[i]
+            )
     static = tuple(args[i] for i in program.static_idx)
     if program.instance_attrs:
         static += instance_attributes(program, args)

@@ -254,6 +254,17 @@ donated to that call, and the results are lost with them. Restart from a checkpo
 state you kept.
 """
 
+NOT_A_TREE_WRITTEN = """\
+`{name}` ({where}) changes its argument `{param}` in place, so autoflat would write the new \
+value back into your object, but JAX takes a {type} as one leaf, not as a tree of arrays: \
+nothing in it can cross `jax.jit` (`jax.jit` refuses it too). Make {type} a pytree \
+(`@jax.tree_util.register_dataclass` on a dataclass, or `jax.tree_util.register_pytree_node`), \
+or pass and return the arrays it holds:
+
+    {param} = ...
+    return {param}, ...
+"""
+
 NOT_RETURNED = """\
 `{param}` of `{name}` ({where}) is state (named in state=) but no `return` gives it back by \
 name, and its value (a {type}) cannot be updated in place. Return it by name from every \

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from . import _caches, _structure
 from ._analysis import Analysis
-from ._errors import CANNOT_WRITE_BACK, NOT_RETURNED, StateError, error
+from ._errors import CANNOT_WRITE_BACK, NOT_A_TREE_WRITTEN, NOT_RETURNED, StateError, error
 from ._handles import _UNBUILT, LazyHandle
 from ._roles import is_mutable_module
 
@@ -155,9 +155,12 @@ def _assign_into(target: Any, new: Any, param: str, path: str, analysis: Analysi
     raise _cannot(analysis, param, path or "(the whole value)", type(target))
 
 
-def check_writable(treedef: Any, param: str, analysis: Analysis) -> None:
-    """Before the call: can the caller's object be updated in place afterwards?"""
+def check_writable(treedef: Any, param: str, analysis: Analysis, value: Any = None) -> None:
+    """Before the call: can the caller's object (`value`) be updated in place afterwards?"""
     if treedef.node_data() is None:
+        if value is not None and not _structure.is_array(value):
+            name = type(value).__name__
+            raise error(StateError, NOT_A_TREE_WRITTEN, analysis, param=param, type=name)
         raise error(StateError, NOT_RETURNED, analysis, param=param, type="leaf")
     path = _unwritable_path(treedef, "")
     if path is not None:
@@ -171,7 +174,7 @@ def _unwritable_path(treedef: Any, path: str) -> tuple[str, type] | None:
     if data is None:
         return (path, type(None)) if path == "" else None
     typ, aux = data
-    if typ in (dict, list):
+    if issubclass(typ, (dict, list)):  # (`defaultdict`, `OrderedDict` too)
         return None
     if not _structure._type_immutable(typ) and typ is not type(None):
         # A mutable object is updated through its `__dict__`: one without (`__slots__`)

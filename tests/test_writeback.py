@@ -90,3 +90,39 @@ def test_python_numbers_in_a_dict_that_gains_a_key():
     assert isinstance(totals["count"], jax.Array) and int(totals["count"]) == 10
     assert totals["tag"] == 7 and type(totals["tag"]) is int
     assert autoflat.stats(step).traces == 2  # the dict without, then with, its new key
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dict_subclasses_are_written_back(k):
+    """A `defaultdict` of totals was refused as "immutable (defaultdict)" (no `__dict__`),
+    where an `OrderedDict` worked."""
+    import collections
+
+    def update(w, totals, x):
+        totals["loss"] += jnp.sum(w * x)
+        w = w + x
+        return w
+
+    step = autoflat.step(update, num_steps=k)
+    totals = collections.defaultdict(float, loss=jnp.zeros(()))
+    xs = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    w = step(jnp.zeros(3), totals, xs)
+    w = step(w, totals, xs)
+    assert type(totals) is collections.defaultdict
+    assert float(totals["loss"]) == pytest.approx(3.0 * sum(range(2 * k)))
+
+
+def test_an_object_jax_takes_as_a_leaf_changed_in_place_says_so():
+    class Meter:  # not a pytree: one leaf to JAX
+        def __init__(self):
+            self.total = jnp.zeros(())
+
+    def update(w, meter, x):
+        meter.total = meter.total + jnp.sum(w * x)
+        return w + x
+
+    meter = Meter()
+    with pytest.raises(autoflat.StateError, match=r"JAX takes a Meter as one leaf") as info:
+        autoflat.step(update)(jnp.zeros(3), meter, jnp.ones(3))
+    assert "named in state=" not in str(info.value)
+    assert float(meter.total) == 0.0
