@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, overload
@@ -140,7 +141,11 @@ def step(
     ```
     """
 
-    def make(fn: Callable[..., Any]) -> Step:
+    def make(fn: Callable[..., Any]) -> Any:
+        if inspect.ismethod(fn):
+            # `autoflat.step(self.train_step)`, as `jax.jit` takes it: the method's function
+            # as a method step, reached through its instance (as decorating it in the class).
+            return make(fn.__func__).__get__(fn.__self__)
         return Step(
             fn,
             num_steps=num_steps,

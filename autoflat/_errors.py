@@ -414,8 +414,8 @@ body:
     @autoflat.step(num_steps=10)
     def update(...): ...
 
-(`jax.jit` and `eqx.filter_jit` without options may stay under it: autoflat compiles the step
-itself.)
+(`jax.jit`, `eqx.filter_jit` and `nnx.jit` without options may stay under it: autoflat compiles
+the step itself.)
 """
 
 JIT_OPTIONS = """\

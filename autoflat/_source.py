@@ -78,18 +78,25 @@ def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _jit_kind(fn: Any) -> str | None:
-    """`jax.jit` or `eqx.filter_jit` if `fn` is one of them, else None."""
+    """`jax.jit`, `eqx.filter_jit` or `nnx.jit` if `fn` is one of them, else None."""
     if type(fn).__name__ == "PjitFunction" and hasattr(fn, "lower"):
         return "jax.jit"
     eqx = sys.modules.get("equinox")
     if eqx is not None and type(fn).__name__ == "_JitWrapper":
         return "eqx.filter_jit"
+    if type(fn).__name__ == "JitWrapped" and type(fn).__module__.startswith("flax.nnx"):
+        return "nnx.jit"  # autoflat does its graph handling (split, merge, write-back) too
     return None
 
 
 def _jit_options(fn: Any) -> str:
     """The options of a `jax.jit` that autoflat would drop, in words ("" if none or unknown:
     JAX before 0.5 does not expose them)."""
+    if _jit_kind(fn) == "nnx.jit":
+        # Its inner `jax.jit` carries the options (and out_shardings of nnx's own making).
+        found = [o for o in _jit_options(fn.jitted_fn).split(", ") if o and o != "out_shardings"]
+        found += [f"{n}" for n in ("in_shardings", "out_shardings") if getattr(fn, n, None)]
+        return ", ".join(found)
     info = getattr(fn, "_jit_info", None)
     if info is None:
         return ""

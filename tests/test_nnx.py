@@ -508,3 +508,19 @@ def test_called_through_nnx_cached_partial(k):
     stats = autoflat.stats(step)
     # The three objects are flattened at the first call; later calls hit autoflat's NNX cache.
     assert stats.flattens == 3 and stats.fast_path == 3 * (stats.calls - 1)
+
+
+def test_an_nnx_jit_step_is_taken_as_its_function():
+    """An existing `@nnx.jit` step handed to autoflat was refused with the advice to put the
+    wrapper above (as for `functools.wraps`); `jax.jit` and `eqx.filter_jit` were taken.
+    With options autoflat would drop, it is refused, naming them."""
+    xs, ys = _data(3)
+    ref_objs, objs = make(), make()
+    ref = nnx.jit(train_step)
+    step = autoflat.step(nnx.jit(train_step), num_steps=3)
+    for i in range(3):
+        ref(*ref_objs, xs[i], ys[i])
+    step(*objs, xs, ys)
+    _assert_same(objs, ref_objs)
+    with pytest.raises(autoflat.SourceError, match=r"with donate_argnums=\(0,\)"):
+        autoflat.step(nnx.jit(train_step, donate_argnums=0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -162,3 +163,35 @@ def test_outputs_that_branch_on_a_batch_shape_come_back_as_traced():
     np.testing.assert_allclose([big["big"], big2["n"]], [4.0, 4.0])
     np.testing.assert_allclose(s["w"], 12.0)
     assert autoflat.stats(step).traces == 2
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_bound_method_is_taken_as_jax_jit_takes_it(k):
+    """Trainers compile `self.train_step` in `__init__` (`jax.jit(self.train_step)`): autoflat
+    refused it as "a method" and pointed at lambdas and REPLs."""
+    import numpy as np
+    import optax
+
+    class Trainer:
+        def __init__(self, lr):
+            self.tx = optax.sgd(lr)
+            self.step = autoflat.step(self.train_step, num_steps=k)
+            self.ref = jax.jit(self.train_step)
+
+        def train_step(self, params, opt_state, x):
+            loss, grads = jax.value_and_grad(lambda p: jnp.sum((p["w"] * x - 1.0) ** 2))(params)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    t = Trainer(0.1)
+    p = {"w": jnp.zeros(5)}
+    xs = jnp.arange(1.0, 1.0 + 5 * k).reshape(k, 5) / 8
+    params, _, losses = t.step(p, t.tx.init(p), xs if k > 1 else xs[0])
+    rp, ro = p, t.tx.init(p)
+    ref_losses = []
+    for i in range(k):
+        rp, ro, loss = t.ref(rp, ro, xs[i])
+        ref_losses.append(loss)
+    np.testing.assert_allclose(params["w"], rp["w"], rtol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses if k > 1 else ref_losses[0], rtol=1e-6)
+    assert autoflat.stats(t.step).traces == 1
