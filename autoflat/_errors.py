@@ -334,14 +334,16 @@ shardings or roles differ from those it was lowered with. Lower it again for the
 """
 
 AMBIGUOUS_STATE = """\
-`{name}` ({where}): return position(s) {positions} could each be the new value of more than \
-one parameter ({candidates}): they have the same tree structure, shapes and dtypes, and the \
-step does not return them by name or in parameter order. Say which position returns which \
-state, for example:
+`{name}` ({where}): {what}, with the same tree structure, shapes and dtypes, and the step \
+does not return its state by name: autoflat cannot tell which position, if any, gives back \
+the new value of which parameter. Say it, naming each parameter the step trains with the \
+return position of its new value:
 
-    @autoflat.step(..., state={{"{param}": 0}})
+    @autoflat.step(..., state={{{example}}})
 
-or return the state by name (`{param} = ...` then `return {param}, ...`).
+(a parameter passed in and left unchanged, such as a teacher's weights, is not state: \
+`broadcast="name"`), or return the state by name (`new = ...` then `return new, ...` where \
+the parameter is called `new`).
 """
 
 STATE_NESTED = """\

@@ -406,14 +406,19 @@ def _match(
             for p, pos in zip(left, spots, strict=True):
                 matched[p] = (pos, f"matched by value and parameter order to return position {pos}")
         else:
-            raise error(
-                OptionError,
-                AMBIGUOUS_STATE,
-                analysis,
-                param=left[0],
-                positions=", ".join(map(str, spots)),
-                candidates=", ".join(f"`{q}`" for q in left),
-            )
+            names = ", ".join(f"`{q}`" for q in left)
+            if len(spots) == 1:
+                either = " or ".join(f"`{q}`" for q in left)
+                what = f"return position {spots[0]} could be the new value of {either}"
+            elif len(left) == 1:
+                what = f"return positions {', '.join(map(str, spots))} each look like {names}"
+            else:
+                what = (
+                    f"return positions {', '.join(map(str, spots))} could each be the new "
+                    f"value of {names}"
+                )
+            example = ", ".join(f'"{q}": <position>' for q in left)
+            raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
     return matched
 
 
