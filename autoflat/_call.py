@@ -66,6 +66,7 @@ class Call:
         "copies",
         "landed",
         "donating",
+        "xs_shared",
     )
 
     args: tuple[Any, ...]  # in parameter order
@@ -81,10 +82,12 @@ class Call:
     copies: list[int]  # state positions holding the caller's own buffers (copied if donated)
     landed: collections.deque[Any]  # the program's results, as they land (`_launch.launch`)
     donating: bool  # whether the launch donated the state leaves (set by `launch`)
+    xs_shared: bool  # a per-step input holds a handle donated as state (`_take_state`)
 
     def __init__(self) -> None:
         self.landed = collections.deque(maxlen=1)
         self.donating = False
+        self.xs_shared = False
 
     def inputs(self) -> tuple[Any, ...]:
         """The arguments of the compiled program, after the static spec."""
@@ -138,7 +141,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         step._diag.stats.copies += len(call.copies)
     call.leaves = tuple(leaves)
     call.xs = tuple(args[i] for i in program.scanned_idx)
-    if call.donated and step.donate and _handles_in(call.xs, call.donated):
+    if call.xs_shared:
         # A handle in a per-step input that is also the donated state goes in as a copy of
         # the tree it stands for: JAX would flatten the handle itself after `launch` claimed
         # it. (The state's leaves are copies then: see `_take_state`.)
@@ -150,12 +153,6 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
 
 def _is_handle(x: Any) -> bool:
     return type(x) is LazyHandle
-
-
-def _handles_in(xs: Any, donated: list[LazyHandle]) -> bool:
-    """Whether a per-step input is, or holds, one of the handles donated as state."""
-    ids = {id(h) for h in donated}
-    return any(id(x) in ids for x in jax.tree_util.tree_leaves(xs, is_leaf=_is_handle))
 
 
 def _tree_of(h: LazyHandle) -> Any:
@@ -275,12 +272,16 @@ def _take_state(
     if donated and step.donate:
         # A handle given as state and also as another argument (broadcast, per-step): its
         # buffers would be donated and read in one call. The state's copy is donated.
-        others = {id(args[i]) for i in program.bcast_idx}
-        others.update(
+        # (A per-step array, the usual batch, holds no handle: not searched.)
+        in_xs = {
             id(x)
             for i in program.scanned_idx
+            if not is_array(args[i])
             for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
-        )
+            if type(x) is LazyHandle
+        }
+        others = in_xs.union(id(args[i]) for i in program.bcast_idx)
+        call.xs_shared = not in_xs.isdisjoint(map(id, donated))
         if others.intersection(map(id, donated)):
             for k, i in enumerate(program.state_idx):
                 if type(args[i]) is LazyHandle and id(args[i]) in others:

@@ -10,6 +10,8 @@ option that settles it, since guessed wrong it trains silently wrong.
   all have a leading axis of num_steps (a per-step batch changed locally, or state?), and a
   per-step-looking container that a return position gives back one step's slice of (state
   whose first axis happens to be num_steps?). Both name `per_step=` and `state=`.
+- **State returned nested in an output** (with `num_steps > 1`): `return (params, opt_state),
+  loss` would take both as broadcast inputs, every step starting again from them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import numpy as np
 
 from ._abstract import abstract_leaves, eval_one_step, positions_of, same_value
 from ._analysis import Analysis
-from ._errors import PER_STEP_OR_STATE, SHORT_FIRST_CHUNK, WRITTEN_PER_STEP, ShapeError, error
+from ._errors import (
+    PER_STEP_OR_STATE,
+    SHORT_FIRST_CHUNK,
+    STATE_NESTED,
+    WRITTEN_PER_STEP,
+    OptionError,
+    ShapeError,
+    error,
+)
 from ._roles import Options, Role
 from ._structure import is_array
 
@@ -157,3 +167,42 @@ def _short_first_chunk(
                     num_steps=num_steps,
                 )
     return None
+
+
+def refuse_nested_state(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    matched: dict[str, tuple[int, str]],
+    positions: list[int],
+    outputs: list[Any],
+    num_steps: int,
+) -> None:
+    """A container argument left broadcast whose value comes back nested inside an output
+    (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
+    value passed in, silently. Refused, with the fix."""
+    taken = {pos for pos, _ in matched.values()}
+    for p in pending:
+        value = values[p]
+        if p in matched or not jax.tree_util.tree_leaves(value):
+            continue
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            continue  # a bare array: a nested match says little
+        for pos in positions:
+            if pos in taken:
+                continue
+            out = outputs[pos]
+            found = jax.tree_util.tree_flatten_with_path(
+                out, is_leaf=lambda x, v=value, o=out: x is not o and same_value(v, x)
+            )[0]
+            for path, sub in found:
+                if path and same_value(value, sub):
+                    raise error(
+                        OptionError,
+                        STATE_NESTED,
+                        analysis,
+                        param=p,
+                        pos=pos,
+                        path=f"[{pos}]{jax.tree_util.keystr(path)}",
+                        num_steps=num_steps,
+                    )

@@ -42,7 +42,6 @@ from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
     NNX_NOT_PYTREE,
-    STATE_NESTED,
     STATE_NOT_MATCHED,
     UNHASHABLE_STATIC,
     CallError,
@@ -51,7 +50,12 @@ from ._errors import (
     StateError,
     error,
 )
-from ._hazards import check_per_step_returned, check_written_per_step, raise_leading_axis_errors
+from ._hazards import (
+    check_per_step_returned,
+    check_written_per_step,
+    raise_leading_axis_errors,
+    refuse_nested_state,
+)
 from ._nnx import opaque_module
 from ._roles import Options, Role, Roles, RunTime, assign_roles, is_mutable_module, returned_by_name
 from ._structure import is_array
@@ -193,7 +197,7 @@ def infer(
     else:
         outputs = None
     if num_steps > 1 and outputs:
-        _refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
+        refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
     if num_steps > 1 and first is not None and first.kind != "none":
         out = check_per_step_returned(
             analysis, fn, params, values, kinds, for_eval, options, matched, open_positions,
@@ -236,45 +240,6 @@ def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> boo
     if num_steps > 1:
         return kind[0] == "broadcast"
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
-
-
-def _refuse_nested_state(
-    analysis: Analysis,
-    values: dict[str, Any],
-    pending: list[str],
-    matched: dict[str, tuple[int, str]],
-    positions: list[int],
-    outputs: list[Any],
-    num_steps: int,
-) -> None:
-    """A container argument left broadcast whose value comes back nested inside an output
-    (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
-    value passed in, silently. Refused, with the fix."""
-    taken = {pos for pos, _ in matched.values()}
-    for p in pending:
-        value = values[p]
-        if p in matched or not jax.tree_util.tree_leaves(value):
-            continue
-        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            continue  # a bare array: a nested match says little
-        for pos in positions:
-            if pos in taken:
-                continue
-            out = outputs[pos]
-            found = jax.tree_util.tree_flatten_with_path(
-                out, is_leaf=lambda x, v=value, o=out: x is not o and same_value(v, x)
-            )[0]
-            for path, sub in found:
-                if path and same_value(value, sub):
-                    raise error(
-                        OptionError,
-                        STATE_NESTED,
-                        analysis,
-                        param=p,
-                        pos=pos,
-                        path=f"[{pos}]{jax.tree_util.keystr(path)}",
-                        num_steps=num_steps,
-                    )
 
 
 # What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).

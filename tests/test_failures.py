@@ -699,6 +699,22 @@ def test_an_interrupt_while_the_outputs_are_rebuilt_is_recoverable(k):
     np.testing.assert_allclose(m.loss, [3.0] * k if k > 1 else 3.0)
 
 
+def _interrupted_after_running(runner):
+    """`_launch.runner` whose program runs to the end, then a KeyboardInterrupt comes before
+    its results reach autoflat (as in JAX's own Python dispatch on a first call)."""
+
+    def interrupted(*args, **kwargs):
+        jit = runner(*args, **kwargs)
+
+        def run(*a):
+            jax.block_until_ready(jit(*a))
+            raise KeyboardInterrupt
+
+        return run
+
+    return interrupted
+
+
 def test_an_interrupt_after_the_program_ran_that_lost_its_results_says_so(monkeypatch):
     """Where autoflat cannot keep the results (JAX's own Python dispatch, on a first call for
     some input shapes, stopped after the program ran), the interrupt and later uses of the
@@ -710,15 +726,7 @@ def test_an_interrupt_after_the_program_ran_that_lost_its_results_says_so(monkey
     step = autoflat.step(accumulate, num_steps=2)
     s, _ = step(_zeros_state(), ones(2))
     runner = launch_module.runner
-
-    def interrupted_after_running(*args, **kwargs):
-        jit = runner(*args, **kwargs)
-
-        def run(*a):
-            jax.block_until_ready(jit(*a))
-            raise KeyboardInterrupt
-
-        return run
+    interrupted_after_running = _interrupted_after_running(runner)
 
     monkeypatch.setattr(launch_module, "runner", interrupted_after_running)
     with pytest.raises(KeyboardInterrupt) as info:
@@ -848,15 +856,7 @@ def test_an_interrupt_after_the_first_run_that_consumed_only_copies_is_not_a_los
 
     step = autoflat.step(accumulate, num_steps=2)
     runner = launch_module.runner
-
-    def interrupted_after_running(*args, **kwargs):
-        jit = runner(*args, **kwargs)
-
-        def run(*a):
-            jax.block_until_ready(jit(*a))
-            raise KeyboardInterrupt
-
-        return run
+    interrupted_after_running = _interrupted_after_running(runner)
 
     state = _zeros_state()
     monkeypatch.setattr(launch_module, "runner", interrupted_after_running)
