@@ -93,6 +93,11 @@ class Analysis:
     # values (`d.update(...)`, `d.pop(k)`, `xs.append(x)`, `d |= ...`): (param, spelling,
     # line). The first call's types decide (`_infer`): state written back, as `d[k] = ...`.
     in_place: tuple[tuple[str, str, int], ...]
+    # Parameters only taken from in place (`batch.pop("labels")`, `del d[k]`), with neither a
+    # change above nor a write into them: (param, spelling, line). Such a dict or list is not
+    # state (the next step would miss what was taken); the step changes its own copy, as under
+    # `jax.jit`, and the caller's object is left as it was.
+    removed: tuple[tuple[str, str, int], ...]
     # Attributes read directly off each parameter (`self.lr`): (param, attribute), sorted.
     attribute_reads: tuple[tuple[str, str], ...]
     free_names: frozenset[str]
@@ -334,6 +339,11 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         in_place=tuple(
             (p, spelling, line + line_offset)
             for p, (spelling, line) in sorted(visitor.in_place.items())
+        ),
+        removed=tuple(
+            (p, spelling, line + line_offset)
+            for p, (spelling, line) in sorted(visitor.removed.items())
+            if p not in visitor.in_place and p not in visitor.assigned
         ),
         attribute_reads=tuple(sorted(visitor.attribute_reads)),
         free_names=frozenset(free),

@@ -132,11 +132,19 @@ def infer(
     # Errors about an argument's leading axes wait until state is matched by value: a state
     # argument returned under another name may have leaves of any leading axis.
     deferred: dict[str, Exception] = {}
+    removed = {p: (spelling, line) for p, spelling, line in analysis.removed}
     for p in open_:
         found = _kind(analysis, p, values[p], num_steps)
         if isinstance(found, Exception):
             deferred[p] = found
             kinds[p] = ("broadcast", "mixed leading axes")  # a state candidate for now
+        elif p in removed and isinstance(values[p], (dict, list)):
+            spelling, line = removed[p]
+            kinds[p] = (
+                found[0],
+                f"{found[1]}; `{spelling}` at line {line} changes the step's own copy, as "
+                "under jax.jit, not your object",
+            )
         else:
             kinds[p] = found
     for p in mutable:

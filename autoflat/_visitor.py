@@ -24,11 +24,13 @@ def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
 # Methods that change a dict or a list in place.
 _IN_PLACE_METHODS = frozenset(
     {
-        "update", "pop", "popitem", "setdefault", "clear",  # dict
-        "append", "extend", "insert", "remove", "sort", "reverse",  # list
-        "__setitem__", "__delitem__", "__ior__", "__iadd__",
+        "update", "setdefault",  # dict
+        "append", "extend", "insert", "sort", "reverse",  # list
+        "__setitem__", "__ior__", "__iadd__",
     }
 )  # fmt: skip
+# Methods that only take entries out of a dict or a list (`batch.pop("labels")`).
+_REMOVING_METHODS = frozenset({"pop", "popitem", "clear", "remove", "__delitem__"})
 
 
 class Visitor(cst.CSTVisitor):
@@ -53,6 +55,7 @@ class Visitor(cst.CSTVisitor):
         self.assigned: dict[str, int] = {}
         self.method_called: set[str] = set()
         self.in_place: dict[str, tuple[str, int]] = {}
+        self.removed: dict[str, tuple[str, int]] = {}
         self.attribute_reads: set[tuple[str, str]] = set()
         self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
@@ -141,7 +144,14 @@ class Visitor(cst.CSTVisitor):
                 self.in_place.setdefault(param, (f"{param} {op} ...", self._line(node)))
 
     def visit_Del(self, node: cst.Del) -> None:
-        self._target(node.target, self._line(node))
+        targets = node.target.elements if isinstance(node.target, cst.Tuple) else ()
+        for target in [el.value for el in targets] or [node.target]:
+            param = self._parameter(target) if isinstance(target, cst.Subscript) else None
+            if param is None:
+                self._target(target, self._line(node))
+            else:
+                spelling = f"del {cst.Module([]).code_for_node(target)}"
+                self.removed.setdefault(param, (spelling, self._line(node)))
 
     def visit_For(self, node: cst.For) -> None:
         self._target(node.target, self._line(node))
@@ -165,9 +175,11 @@ class Visitor(cst.CSTVisitor):
             if param is not None:
                 self.method_called.add(param)
                 method = node.func.attr.value
+                spelling = f"{cst.Module([]).code_for_node(node.func)}(...)"
                 if method in _IN_PLACE_METHODS:
-                    spelling = f"{cst.Module([]).code_for_node(node.func)}(...)"
                     self.in_place.setdefault(param, (spelling, self._line(node)))
+                elif method in _REMOVING_METHODS:
+                    self.removed.setdefault(param, (spelling, self._line(node)))
         elif (
             isinstance(node.func, cst.Name)
             and node.func.value in ("setattr", "delattr")

@@ -126,3 +126,102 @@ def test_an_object_jax_takes_as_a_leaf_changed_in_place_says_so():
         autoflat.step(update)(jnp.zeros(3), meter, jnp.ones(3))
     assert "named in state=" not in str(info.value)
     assert float(meter.total) == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("where", ["body", "closure", "del"])
+def test_an_input_only_taken_from_is_the_steps_own_copy(where, k):
+    """A step that takes entries out of its batch (`labels = batch.pop("labels")` at the top
+    of the body or in a loss function closing over it, as Hugging Face's Flax examples do, or
+    `del batch["mask"]`) changes its own copy under `jax.jit`. It is not state: the caller's
+    batch keeps its keys (it lost them, written back, and the next call with it raised a
+    KeyError), and at num_steps=4 it is a per-step input (it was a ShapeError asking which)."""
+    import numpy as np
+    import optax
+
+    opt = optax.sgd(0.1)
+
+    def update(params, opt_state, loss_fn):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def mse(p, batch, labels):
+        return jnp.mean((batch["x"] @ p["w"] - labels) ** 2)
+
+    if where == "body":
+
+        def train_step(params, opt_state, batch):
+            labels = batch.pop("labels")
+            params, opt_state, loss = update(params, opt_state, lambda p: mse(p, batch, labels))
+            return params, opt_state, loss
+
+    elif where == "closure":
+
+        def train_step(params, opt_state, batch):
+            def loss_fn(p):
+                labels = batch.pop("labels")
+                return mse(p, batch, labels)
+
+            params, opt_state, loss = update(params, opt_state, loss_fn)
+            return params, opt_state, loss
+
+    else:
+
+        def train_step(params, opt_state, batch):
+            labels = batch["labels"]
+            del batch["labels"]
+            params, opt_state, loss = update(params, opt_state, lambda p: mse(p, batch, labels))
+            return params, opt_state, loss
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": jnp.asarray(rng.normal(size=(2, 3)), jnp.float32), "labels": jnp.ones(2) * i}
+        for i in range(8)
+    ]
+    ref_step = jax.jit(train_step)
+    params = {"w": jnp.zeros(3)}
+    ref_params, ref_state, ref_losses = params, opt.init(params), []
+    for batch in batches:
+        ref_params, ref_state, loss = ref_step(ref_params, ref_state, batch)
+        ref_losses.append(loss)
+    assert all(sorted(b) == ["labels", "x"] for b in batches)
+
+    step = autoflat.step(train_step, num_steps=k)
+    chunks = (
+        batches
+        if k == 1
+        else [jax.tree.map(lambda *xs: jnp.stack(xs), *batches[i : i + k]) for i in (0, 4)]
+    )
+    p, s, losses = params, opt.init(params), []
+    for chunk in chunks:
+        p, s, loss = step(p, s, chunk)
+        losses.append(jnp.atleast_1d(loss))
+    assert all(sorted(c) == ["labels", "x"] for c in chunks)
+    np.testing.assert_allclose(p["w"], ref_params["w"], rtol=1e-6)
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-6)
+    spelling = {"body": "batch.pop(...)", "closure": "batch.pop(...)", "del": 'del batch["labels"]'}
+    assert (
+        f"# batch: scanned (per-step{' input' if k == 1 else ': leading axis 4'}"
+        in autoflat.show(step)
+    )
+    assert f"`{spelling[where]}` at line" in autoflat.show(step)
+    assert "changes the step's own copy, as under jax.jit, not your object" in autoflat.show(step)
+    assert autoflat.stats(step).traces == 1
+
+
+def test_an_input_taken_from_and_changed_is_still_state():
+    """`d.pop(k)` beside a change that adds (`d.update(...)`, `d[k] = ...`) is mutation-style
+    state as before: the caller's dict has the new contents, the key taken gone."""
+
+    def update(totals, x):
+        old = totals.pop("old")
+        totals["sum"] = totals["sum"] + old + jnp.sum(x)
+        return jnp.sum(x)
+
+    step = autoflat.step(update)
+    totals = {"sum": jnp.zeros(()), "old": jnp.ones(())}
+    step(totals, jnp.ones(3))
+    assert sorted(totals) == ["sum"]
+    assert float(totals["sum"]) == 4.0
+    assert "# totals: state (assigned into at line" in autoflat.show(step)
