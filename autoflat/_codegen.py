@@ -142,6 +142,23 @@ class _ReturnRewriter(cst.CSTTransformer):
             return self.make_return(original_node)
         return updated_node
 
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> Any:
+        # A line that was only `return f(...)`, now `names = f(...); return ...`: two lines.
+        body = updated_node.body
+        if len(original_node.body) == 1 and len(body) == 2 and isinstance(body[1], cst.Return):
+            first = cst.SimpleStatementLine(
+                [body[0].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)],
+                leading_lines=updated_node.leading_lines,
+            )
+            second = cst.SimpleStatementLine(
+                [body[1]], trailing_whitespace=updated_node.trailing_whitespace
+            )
+            self.origin[first] = self.origin[second] = original_node
+            return cst.FlattenSentinel([first, second])
+        return updated_node
+
     def on_leave(self, original_node: cst.CSTNode, updated_node: Any) -> Any:
         result = super().on_leave(original_node, updated_node)
         if isinstance(result, (cst.BaseStatement, cst.BaseSmallStatement)) and isinstance(
@@ -266,8 +283,26 @@ def generate(
     }
     out_positions = [pos for pos, (kind, _) in enumerate(roles.layout.entries) if kind == "out"]
 
-    def make_return(node: cst.Return | None) -> cst.Return:
-        elements = _elements(node.value if node is not None else None)
+    # `return f(...)` whose value is a tuple with state among its items: unpacked into names
+    # first (`_af_ret0, _af_ret1 = f(...); return ...`), a tuple of another length raising.
+    unpacked = (
+        [namer(f"_af_ret{i}") for i in range(len(roles.layout.entries))]
+        if roles.layout.kind == "unpacked"
+        else []
+    )
+
+    def make_return(node: cst.Return | None) -> Any:
+        if unpacked and node is not None and node.value is not None:
+            names = [cst.Name(n) for n in unpacked]
+            unpack = cst.Assign(
+                targets=[cst.AssignTarget(cst.Tuple([cst.Element(n) for n in names], [], []))],
+                value=node.value,
+                semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
+            )
+            return cst.FlattenSentinel([unpack, assemble(list(names), node)])
+        return assemble(_elements(node.value if node is not None else None), node)
+
+    def assemble(elements: list[cst.BaseExpression], node: cst.Return | None) -> cst.Return:
         flats = [
             parse_template_expression(
                 _FLATTEN,

@@ -369,6 +369,24 @@ or say at which return position it comes back: `state={{"{param}": 0}}`. If it i
 for every step, pass it as broadcast="{param}" instead.
 """
 
+STATE_AT_NESTED = """\
+`{name}` ({where}): state= says `{param}` comes back at return position {pos}, but its new \
+value is inside that position, at `{path}`; the position must hold the value itself. Return \
+it at a position of its own:
+
+    return {param}, ...
+
+(and unpack the call's result the same way).
+"""
+
+STATE_POSITION = """\
+`{name}` ({where}): state= says `{param}` comes back at return position {pos}, but the step \
+returns {count} ({returns}); positions count from 0. Give the position of its new value among \
+them, or return it at a position of its own:
+
+    return {param}, ...
+"""
+
 MIXED_ARGUMENT = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
 leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \

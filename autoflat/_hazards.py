@@ -27,6 +27,7 @@ from ._analysis import Analysis
 from ._errors import (
     PER_STEP_OR_STATE,
     SHORT_FIRST_CHUNK,
+    STATE_AT_NESTED,
     STATE_NESTED,
     WRITTEN_PER_STEP,
     OptionError,
@@ -191,18 +192,43 @@ def refuse_nested_state(
         for pos in positions:
             if pos in taken:
                 continue
-            out = outputs[pos]
-            found = jax.tree_util.tree_flatten_with_path(
-                out, is_leaf=lambda x, v=value, o=out: x is not o and same_value(v, x)
-            )[0]
-            for path, sub in found:
-                if path and same_value(value, sub):
-                    raise error(
-                        OptionError,
-                        STATE_NESTED,
-                        analysis,
-                        param=p,
-                        pos=pos,
-                        path=f"[{pos}]{jax.tree_util.keystr(path)}",
-                        num_steps=num_steps,
-                    )
+            path = _nested_path(value, outputs[pos])
+            if path is not None:
+                raise error(
+                    OptionError,
+                    STATE_NESTED,
+                    analysis,
+                    param=p,
+                    pos=pos,
+                    path=f"[{pos}]{path}",
+                    num_steps=num_steps,
+                )
+
+
+def check_state_at(
+    analysis: Analysis, values: dict[str, Any], state_at: dict[str, int], outputs: list[Any]
+) -> None:
+    """`state={"params": 0}` where return position 0 holds the new `params` inside it
+    (`return (params, opt_state), loss`): the position given is not the value itself."""
+    for p, pos in state_at.items():
+        value = values[p]
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            continue  # a bare array: a nested match says little
+        if same_value(value, outputs[pos]):
+            continue
+        path = _nested_path(value, outputs[pos])
+        if path is not None:
+            raise error(
+                OptionError, STATE_AT_NESTED, analysis, param=p, pos=pos, path=f"[{pos}]{path}"
+            )
+
+
+def _nested_path(value: Any, out: Any) -> str | None:
+    """Where inside `out` (not `out` itself) a value like `value` is, if anywhere."""
+    found = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: x is not out and same_value(value, x)
+    )[0]
+    for path, sub in found:
+        if path and same_value(value, sub):
+            return jax.tree_util.keystr(path)
+    return None

@@ -37,12 +37,13 @@ import jax
 import numpy as np
 
 from ._abstract import SCALARS, eval_one_step, positions_of, same_value
-from ._analysis import Analysis
+from ._analysis import Analysis, Return
 from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
     NNX_NOT_PYTREE,
     STATE_NOT_MATCHED,
+    STATE_POSITION,
     UNHASHABLE_STATIC,
     CallError,
     OptionError,
@@ -52,6 +53,7 @@ from ._errors import (
 )
 from ._hazards import (
     check_per_step_returned,
+    check_state_at,
     check_written_per_step,
     raise_leading_axis_errors,
     refuse_nested_state,
@@ -179,9 +181,41 @@ def infer(
         p for p in params if p in declared or _candidate(kinds.get(p), values[p], num_steps)
     ]
     first = analysis.returns[0] if analysis.returns else None
+    unpacked = 0
     matched: dict[str, tuple[int, str]] = {}
     state_at = dict(options.state_at)
+
+    def evaluate() -> Any:
+        try:
+            return eval_one_step(fn, params, values, for_eval, num_steps)
+        except Exception as e:
+            # The step failed on an argument taken as broadcast for the evaluation: the
+            # leading-axis error says what to declare.
+            raise_leading_axis_errors(analysis, kinds, deferred, values, num_steps, options, e)
+            raise
+
+    if state_at and first is not None and first.kind == "single":
+        # `state={"params": 0, "opt_state": 1}` beside `return update(...)`: positions of the
+        # items of its value, unless the whole value is the one state parameter named.
+        out = evaluate() if out is None else out
+        if type(out) is tuple and not (
+            set(state_at.values()) == {0} and all(same_value(values[p], out) for p in state_at)
+        ):
+            unpacked = len(out)
+            first = dataclasses.replace(first, kind="tuple", names=(None,) * unpacked)
+    arity = 0 if first is None or first.kind == "none" else len(first.names)
     for p, pos in state_at.items():
+        if pos >= arity:
+            raise error(
+                OptionError,
+                STATE_POSITION,
+                analysis,
+                param=p,
+                pos=pos,
+                returns="; ".join(r.describe() for r in analysis.returns) or "no return",
+                count=f"{arity} value{'s' if arity != 1 else ''}"
+                + (" (the items of the tuple its expression gives)" if unpacked else ""),
+            )
         matched[p] = (pos, f"state= at return position {pos}")
     open_positions = []
     if first is not None and first.kind != "none":
@@ -189,21 +223,29 @@ def infer(
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
     if pending and open_positions:
-        try:
-            if out is None:
-                out = eval_one_step(fn, params, values, for_eval, num_steps)
-        except Exception as e:
-            # The step failed on an argument taken as broadcast for the evaluation: the
-            # leading-axis error says what to declare.
-            raise_leading_axis_errors(analysis, kinds, deferred, values, num_steps, options, e)
-            raise
+        out = evaluate() if out is None else out
         outputs = positions_of(first, out)
         carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
-        matched.update(
-            _match(analysis, params, values, pending, open_positions, outputs, declared, carried)
+        by_value = _match(
+            analysis, params, values, pending, open_positions, outputs, declared, carried
         )
+        if not by_value and first is not None and first.kind == "single" and type(out) is tuple:
+            # `return update(params, opt_state, batch)`: no parameter is the whole value, so
+            # its items are the return positions, as if the step returned them one by one.
+            items = list(range(len(out)))
+            by_value = _match(
+                analysis, params, values, pending, items, list(out), declared, carried
+            )
+            if by_value:
+                unpacked = len(out)
+                first = dataclasses.replace(first, kind="tuple", names=(None,) * unpacked)
+                open_positions, outputs = items, list(out)
+        matched.update(by_value)
     else:
         outputs = None
+    if state_at:
+        out = evaluate() if out is None else out
+        check_state_at(analysis, values, state_at, positions_of(first, out))
     if num_steps > 1 and outputs:
         refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
     if num_steps > 1 and first is not None and first.kind != "none":
@@ -231,11 +273,13 @@ def infer(
         )
     run_kinds = tuple((p, role, why) for p, (role, why) in kinds.items() if p not in matched)
     run_time = RunTime(
-        kinds=run_kinds, matched=tuple((p, pos, why) for p, (pos, why) in matched.items())
+        kinds=run_kinds,
+        matched=tuple((p, pos, why) for p, (pos, why) in matched.items()),
+        unpacked=unpacked,
     )
     roles = assign_roles(analysis, options, mutable, run_time)
     positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
-    to_array = _to_array(analysis, fn, roles, values, positions, for_eval, num_steps, out)
+    to_array = _to_array(fn, roles, values, positions, for_eval, num_steps, out, first)
     return Inferred(roles, to_array)
 
 
@@ -396,7 +440,6 @@ def _match(
 
 
 def _to_array(
-    analysis: Analysis,
     fn: Callable[..., Any],
     roles: Roles,
     values: dict[str, Any],
@@ -404,6 +447,7 @@ def _to_array(
     for_eval: dict[str, Role],
     num_steps: int,
     out: Any,
+    first: Return | None,
 ) -> tuple[tuple[int, ...], ...]:
     """Per state position, the leaves that are Python scalars going in and come out as arrays
     or as other values (`step + 1` on a Python int): left static, they would change the state's
@@ -420,7 +464,6 @@ def _to_array(
     after: dict[str, Any] = {p: None for p in written - nnx if scalars[p]}
     if not after and not any(scalars[p] for p in positions if p in scalars):
         return tuple(tuple(scalars[p]) if p in nnx else () for p in state)
-    first = analysis.returns[0] if analysis.returns else None
     if out is None or after:
         out = eval_one_step(fn, roles.params, values, for_eval, num_steps, after or None)
     outputs = positions_of(first, out)

@@ -57,6 +57,9 @@ class RunTime:
 
     kinds: tuple[tuple[str, Role, str], ...] = ()
     matched: tuple[tuple[str, int, str], ...] = ()
+    # A `return f(...)` whose value was a tuple of this many items with state among them
+    # (`return update(params, opt_state, batch)`): its items are the return positions.
+    unpacked: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +67,11 @@ class Layout:
     """How the user's return value is assembled from carried state and per-step outputs.
 
     `entries` has one item per returned element: `("state", i)` for the i-th state parameter,
-    `("out", j)` for the j-th per-step output.
+    `("out", j)` for the j-th per-step output. `"unpacked"`: the step returns one expression
+    whose value is a tuple (`RunTime.unpacked`), unpacked into the entries.
     """
 
-    kind: Literal["none", "single", "tuple"]
+    kind: Literal["none", "single", "tuple", "unpacked"]
     entries: tuple[tuple[Literal["state", "out"], int], ...]
 
     @property
@@ -248,10 +252,15 @@ def assign_roles(
     state = [p for p, r in zip(params, roles, strict=True) if r == "state"]
     entries: list[tuple[Literal["state", "out"], int]] = []
     out_index = 0
-    kind = first.kind if first is not None else "none"
+    kind: Literal["none", "single", "tuple", "unpacked"] = (
+        first.kind if first is not None else "none"
+    )
+    arity = len(first.names) if first is not None and first.kind == "tuple" else 1
+    if run_time is not None and run_time.unpacked:
+        kind, arity = "unpacked", run_time.unpacked
     if first is not None:
         by_position = {pos: p for p, pos in positions.items()}
-        for pos in range(len(first.names) if first.kind != "single" else 1):
+        for pos in range(arity):
             owner = by_position.get(pos)
             if owner is not None and owner in state:
                 entries.append(("state", state.index(owner)))

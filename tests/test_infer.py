@@ -523,3 +523,107 @@ def test_keyword_only_parameters(k):
         rl.append(loss)
     tree_allclose(p, rp)
     np.testing.assert_allclose(losses, rl[0] if k == 1 else rl, rtol=1e-5)
+
+
+def _adam_update(params, opt_state, x):
+    """A helper returning the step's whole result, as `return update(...)` steps call."""
+    tx = optax.adam(0.1)
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((x * p["w"] - 1.0) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _returns_a_call(params, opt_state, x):
+    return _adam_update(params, opt_state, x)
+
+
+def _returns_a_local(params, opt_state, x):
+    result = _adam_update(params, opt_state, x)
+    return result
+
+
+@pytest.mark.parametrize("k", [1, K])
+@pytest.mark.parametrize("fn", [_returns_a_call, _returns_a_local])
+@pytest.mark.parametrize("declared", [None, "names", "positions"])
+def test_a_return_of_one_call_that_gives_a_tuple(fn, declared, k):
+    """`return update(params, opt_state, x)`: one expression whose value is the tuple. At
+    num_steps=4 it was refused (`params` comes back inside return position 0) and at 1 the
+    state was a per-step input, copied in and out on every call; `state={"params": 0,
+    "opt_state": 1}` raised a misleading error. Its items are now the return positions."""
+    options = {
+        None: {},
+        "names": {"state": ["params", "opt_state"]},
+        "positions": {"state": {"params": 0, "opt_state": 1}},
+    }[declared]
+    params = {"w": jnp.zeros(3)}
+    xs = _batches(8)
+    (rp, rs), routs = _reference(fn, (params, optax.adam(0.1).init(params)), [xs], 8)
+    step = autoflat.step(fn, num_steps=k, **options)
+    (p, s), outs = _run(step, (params, optax.adam(0.1).init(params)), [xs], 8, k)
+    assert isinstance(p, autoflat.LazyHandle) and isinstance(s, autoflat.LazyHandle)
+    tree_allclose((p, s), (rp, rs))
+    losses = jnp.concatenate([jnp.atleast_1d(o[0]) for o in outs])
+    np.testing.assert_allclose(losses, jnp.stack([o[0] for o in routs]), rtol=1e-6)
+    assert autoflat.stats(step).traces == 1
+    shown = autoflat.show(step)
+    how = "state= at" if declared == "positions" else "matched by value to"
+    assert f"# params: state ({how} return position 0)" in shown
+    assert f"# opt_state: state ({how} return position 1)" in shown
+    assert "# returns: state params, state opt_state, output" in shown
+    line = "return _adam_update(params, opt_state, x)" if fn is _returns_a_call else "return result"
+    value = line.removeprefix("return ")
+    indent = " " * (12 if k > 1 else 8)
+    assert (
+        f"{indent}_af_ret0, _af_ret1, _af_ret2 = {value}\n"
+        f"{indent}return (_af_flatten(_af_spec, 0, _af_ret0), _af_flatten(_af_spec, 1, _af_ret1)),"
+        " (_af_ret2,)\n"
+    ) in shown
+
+
+def test_a_return_of_one_call_whose_tuple_holds_no_state_is_one_output():
+    """A tuple of outputs only (`return metrics(...)`) stays one output, as before."""
+
+    def update(x):
+        return jnp.sum(x), jnp.mean(x)
+
+    def step_fn(params, x):
+        return update(x * params["w"])
+
+    step = autoflat.step(step_fn, num_steps=K)
+    total, mean = step({"w": jnp.ones(3)}, jnp.ones((K, 3)))
+    np.testing.assert_allclose(total, [3.0] * K)
+    assert "# returns: output (stacked)" in autoflat.show(step)
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_state_positions_that_the_return_does_not_have(k):
+    """`state={"opt_state": 2}` beside `return params, loss`, and `state={"params": 0}` beside
+    `return (params, opt_state), loss`: clear errors before anything runs (the second trained
+    at num_steps=1 with `params` given the pair, and at 4 raised a structure error)."""
+    tx = optax.adam(0.1)
+
+    def nested(params, opt_state, x):
+        params, opt_state, loss = _adam_update(params, opt_state, x)
+        return (params, opt_state), loss
+
+    def two(params, opt_state, x):
+        params, opt_state, loss = _adam_update(params, opt_state, x)
+        return params, loss
+
+    params = {"w": jnp.zeros(3)}
+    x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    step = autoflat.step(two, num_steps=k, state={"opt_state": 2})
+    with pytest.raises(
+        autoflat.OptionError,
+        match=r"state= says `opt_state` comes back at return position 2, but the step returns "
+        r"2 values \(line \d+ returns \(params, loss\)\); positions count from 0",
+    ):
+        step(params, tx.init(params), x)
+    step = autoflat.step(nested, num_steps=k, state={"params": 0, "opt_state": 1})
+    with pytest.raises(
+        autoflat.OptionError,
+        match=r"state= says `params` comes back at return position 0, but its new value is "
+        r"inside that position, at `\[0\]\[0\]`",
+    ):
+        step(params, tx.init(params), x)
+    np.testing.assert_allclose(params["w"], 0.0)  # still usable
