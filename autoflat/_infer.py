@@ -398,6 +398,16 @@ def _match(
             if (not bare or p in declared or pos == rank.get(p))
             and same_value(values[p], outputs[pos])
         ]
+    # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
+    # matched where no other candidate fits.
+    fitted = {pos for ps in fits.values() for pos in ps}
+    for p in candidates:
+        if not fits[p] and _is_key(values[p]):
+            fits[p] = [
+                pos
+                for pos in positions
+                if pos not in fitted and same_value(values[p], outputs[pos])
+            ]
     matched: dict[str, tuple[int, str]] = {}
     # One parameter for one position: settled. Repeat while that frees others.
     changed = True
@@ -437,6 +447,17 @@ def _match(
             example = ", ".join(f'"{q}": <position>' for q in left)
             raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
     return matched
+
+
+def _is_key(value: Any) -> bool:
+    """A PRNG key (a typed key, or a raw `uint32[2]` one): a carried key returned at another
+    position (`return state, metrics, new_dropout_rng`) is matched wherever it is."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not is_array(value):
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.uint32 and np.shape(value) == (2,)
 
 
 def _to_array(

@@ -627,3 +627,57 @@ def test_state_positions_that_the_return_does_not_have(k):
     ):
         step(params, tx.init(params), x)
     np.testing.assert_allclose(params["w"], 0.0)  # still usable
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_a_carried_key_returned_at_another_position(make_key):
+    """`return params, opt_state, loss, new_dropout_rng` (Hugging Face's Flax steps carry their
+    dropout key so, after the metrics): a bare array was matched only at its own place among
+    the parameters, so the key was broadcast. Every step of a call used the same key, and the
+    next call, given the stacked keys, raised JAX's "split accepts a single key". A key is
+    matched where no other parameter fits."""
+    tx = optax.sgd(0.1)
+
+    def update(params, opt_state, x, dropout_rng):
+        dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
+
+        def loss_fn(p):
+            keep = jax.random.bernoulli(dropout_rng, 0.5, x.shape)
+            return jnp.mean((x * keep * p["w"] - 1.0) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, new_dropout_rng
+
+    params = {"w": jnp.ones(3)}
+    xs = _batches(8)
+    ref = jax.jit(update)
+    rp, rs, rkey, rlosses = params, tx.init(params), make_key(0), []
+    for i in range(8):
+        rp, rs, loss, rkey = ref(rp, rs, xs[i], rkey)
+        rlosses.append(loss)
+    step = autoflat.step(update, num_steps=K)
+    p, s, key, losses = params, tx.init(params), make_key(0), []
+    for start in (0, K):
+        p, s, loss, key = step(p, s, xs[start : start + K], key)
+        losses.append(loss)
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(rlosses), rtol=1e-6)
+    tree_allclose(p, rp)
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(rkey))
+    assert "# dropout_rng: state (matched by value to return position 3)" in autoflat.show(step)
+
+
+def test_a_reused_key_beside_a_carried_one_stays_broadcast():
+    """Two keys, one returned at its own place: the other (an evaluation key used every step)
+    is not taken for it."""
+
+    def update(params, key, eval_key, x):
+        new_key, sub = jax.random.split(key)
+        noise = jax.random.normal(sub, x.shape) + jax.random.normal(eval_key, x.shape)
+        return params + jnp.mean(x + noise), new_key, jnp.sum(params)
+
+    step = autoflat.step(update, num_steps=K)
+    params, key, loss = step(jnp.zeros(()), jax.random.key(0), jax.random.key(1), _batches(K))
+    shown = autoflat.show(step)
+    assert "# key: state (matched by value to return position 1)" in shown
+    assert "# eval_key: broadcast (no leading axis of num_steps=4 at the first call)" in shown
