@@ -89,21 +89,55 @@ def _jit_kind(fn: Any) -> str | None:
     return None
 
 
-def _jit_options(fn: Any) -> str:
-    """The options of a `jax.jit` that autoflat would drop, in words ("" if none or unknown:
-    JAX before 0.5 does not expose them)."""
+def jit_static_names(fn: Any) -> frozenset[str]:
+    """The static arguments, by name, of the `jax.jit` wrappers around a step (JAX names the
+    `static_argnums` too): autoflat takes them as `static_argnames=`."""
+    names: set[str] = set()
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        if _jit_kind(fn) == "jax.jit":
+            info = getattr(fn, "_jit_info", None)
+            names.update(getattr(info, "static_argnames", ()) or ())
+        fn = getattr(fn, "__wrapped__", None)
+    return frozenset(names)
+
+
+def _positional_names(fn: Any) -> tuple[str, ...]:
+    try:
+        parameters = inspect.signature(_innermost(fn)).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def _jit_options(fn: Any, kind: str = "") -> str:
+    """The options of a `jax.jit` that autoflat cannot take over, in words ("" if none or
+    unknown: JAX before 0.5 does not expose them): shardings, and for `nnx.jit` any option
+    (its inner `jax.jit` sees other arguments than the step's)."""
     if _jit_kind(fn) == "nnx.jit":
         # Its inner `jax.jit` carries the options (and out_shardings of nnx's own making).
-        found = [o for o in _jit_options(fn.jitted_fn).split(", ") if o and o != "out_shardings"]
+        inner = _jit_options(fn.jitted_fn, "nnx.jit-inner").split(", ")
+        found = [o for o in inner if o and o != "out_shardings"]
         found += [f"{n}" for n in ("in_shardings", "out_shardings") if getattr(fn, n, None)]
         return ", ".join(found)
     info = getattr(fn, "_jit_info", None)
     if info is None:
         return ""
     found = []
-    for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
-        if getattr(info, name, ()):
-            found.append(f"{name}={getattr(info, name)!r}")
+    if kind == "nnx.jit-inner":
+        for name in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
+            if getattr(info, name, ()):
+                found.append(f"{name}={getattr(info, name)!r}")
+    else:
+        # Static arguments are taken over by name (`jit_static_names`), donation is autoflat's
+        # own; a static position without a name (`*args`) is not.
+        nums = tuple(getattr(info, "static_argnums", ()) or ())
+        params = _positional_names(fn)
+        unnamed = tuple(i for i in nums if not -len(params) <= i < len(params))
+        if unnamed:
+            found.append(f"static_argnums={unnamed!r} (no parameter name)")
     if getattr(info, "user_specified_in_shardings", False):
         found.append("in_shardings")
     if any(

@@ -42,7 +42,7 @@ from ._launch import check_pending, launch, runner
 from ._nnx import NnxState, take_graph_cache
 from ._program import Program, Programs, SpecCache
 from ._roles import Options
-from ._source import unwrap_function
+from ._source import jit_static_names, unwrap_function
 from ._stages import Lowered, Traced
 from ._structure import Structure
 from ._transport import PackMode
@@ -99,6 +99,9 @@ class Step:
                 (per_step, "per_step"),
             )
         )
+        # A `jax.jit(..., static_argnums=2)` under autoflat: its static arguments are static
+        # here too (its donation is autoflat's own: the state it carries).
+        static_ |= jit_static_names(fn) - state_ - broadcast_ - per_step_
         state_at = _positions(state, analysis)
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise error(OptionError, BAD_NUM_STEPS, analysis, value=num_steps)

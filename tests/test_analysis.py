@@ -84,10 +84,13 @@ def test_jit_wrappers_are_unwrapped_and_other_wrappers_refused():
         autoflat.step(deco(functional))
     with pytest.raises(autoflat.SourceError, match="wrapped by `.*` under"):
         autoflat.step(jax.vmap(functional))
-    # jax.jit's options would be dropped: refused, naming them (where JAX exposes them).
+    # Shardings would be dropped: refused, naming them (where JAX exposes them). Static
+    # arguments and donation are taken over (test_step).
     if hasattr(jax.jit(functional), "_jit_info"):
-        with pytest.raises(autoflat.SourceError, match="static_argnames=\\('lr',\\)"):
-            autoflat.step(jax.jit(functional, static_argnames="lr"))
+        mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",))
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        with pytest.raises(autoflat.SourceError, match="with out_shardings under"):
+            autoflat.step(jax.jit(functional, out_shardings=replicated))
 
 
 def _raises(fn, match, kind=autoflat.SourceError, **options):

@@ -195,3 +195,47 @@ def test_a_bound_method_is_taken_as_jax_jit_takes_it(k):
     np.testing.assert_allclose(params["w"], rp["w"], rtol=1e-6)
     np.testing.assert_allclose(losses, ref_losses if k > 1 else ref_losses[0], rtol=1e-6)
     assert autoflat.stats(t.step).traces == 1
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_jax_jit_with_static_arguments_and_donation_is_taken_over(k):
+    """`@functools.partial(jax.jit, static_argnums=3, donate_argnums=(0, 1))` under autoflat,
+    as training code decorates its steps: it was refused ("options autoflat would drop"). Its
+    static arguments are static here (by name; numbers and names alike), its donation is the
+    state autoflat carries. Shardings are still refused (test_analysis)."""
+    import functools
+
+    import numpy as np
+    import optax
+
+    tx = optax.sgd(0.1)
+
+    def train_step(params, opt_state, x, num_classes):
+        def loss_fn(p):
+            logits = x @ p["w"]
+            return -jnp.mean(jax.nn.one_hot(jnp.arange(x.shape[0]) % num_classes, 4) * logits)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    jitted = functools.partial(jax.jit, static_argnums=3, donate_argnums=(0, 1))(train_step)
+    named = jax.jit(train_step, static_argnames="num_classes")
+    xs = jax.random.normal(jax.random.key(0), (2 * k, 5, 3))
+    p0 = {"w": jnp.zeros((3, 4))}
+    rp, rs, ref_losses = p0, tx.init(p0), []
+    for i in range(2 * k):
+        rp, rs, loss = jitted({"w": rp["w"] + 0}, jax.tree.map(lambda a: a + 0, rs), xs[i], 4)
+        ref_losses.append(loss)
+    for wrapped in (jitted, named):
+        step = autoflat.step(wrapped, num_steps=k)
+        p, s, losses = p0, tx.init(p0), []
+        for start in range(0, 2 * k, k):
+            chunk = xs[start : start + k] if k > 1 else xs[start]
+            p, s, loss = step(p, s, chunk, 4)
+            losses.append(jnp.atleast_1d(loss))
+        np.testing.assert_allclose(p["w"], rp["w"], rtol=1e-6)
+        np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-6)
+        assert "# num_classes: static (static_argnames=)" in autoflat.show(step)
+        assert autoflat.stats(step).traces == 1
+        np.testing.assert_allclose(p0["w"], 0.0)  # the caller's arrays were not donated
