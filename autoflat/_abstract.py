@@ -22,7 +22,7 @@ import numpy as np
 
 from ._handles import LazyHandle
 from ._roles import Role
-from ._structure import computed_dtype, is_array
+from ._structure import computed_dtype, is_array, is_explicit
 
 SCALARS = (bool, int, float, complex)
 
@@ -40,6 +40,7 @@ def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple
             np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
             jax.numpy.result_type(leaves[i]),
             weak_type=isinstance(leaves[i], SCALARS),
+            sharding=_explicit_sharding(leaves[i], drop_axis),
         )
         for i in positions
     ]
@@ -51,6 +52,19 @@ def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple
         return treedef_.unflatten(full)
 
     return rebuild, abstract
+
+
+def _explicit_sharding(x: Any, drop_axis: bool) -> Any:
+    """The sharding of an array on a mesh with explicit axes, which the step may read
+    (`jax.typeof(x).sharding`, `with_sharding_constraint` asserting it), as one step sees it;
+    None for any other array (its sharding is not part of its type)."""
+    sharding: Any = getattr(x, "sharding", None)
+    if not is_explicit(sharding):
+        return None
+    if drop_axis:
+        spec = tuple(sharding.spec)
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[1:]))
+    return sharding
 
 
 def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from . import _transport
 from ._nnx import Link
 from ._program import CallSpec
-from ._structure import FlatState, strongly_typed
+from ._structure import FlatState, pinned, strongly_typed
 from ._tracing import linking
 
 
@@ -124,7 +124,7 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState
     arrays = flat.arrays
     if placement is not None and same:
         arrays = [
-            a if s is None else jax.lax.with_sharding_constraint(a, s)
+            a if s is None else pinned(a, s)
             for a, s in zip(arrays, placement.shardings, strict=True)
         ]
     # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next

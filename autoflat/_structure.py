@@ -196,6 +196,25 @@ def strongly_typed(x: Any) -> Any:
     return jax.lax.convert_element_type(x, x.dtype) if weak else x
 
 
+def is_explicit(sharding: Any) -> bool:
+    """Whether `sharding` is on a mesh with explicit axes (JAX's sharding in types): the
+    sharding is part of the array's type, `with_sharding_constraint` only asserts it, and
+    `jax.sharding.reshard` moves an array to it."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    return (
+        explicit is not None
+        and isinstance(sharding, jax.sharding.NamedSharding)
+        and explicit in tuple(getattr(sharding.mesh, "axis_types", ()))
+    )
+
+
+def pinned(x: Any, sharding: Any) -> Any:
+    """`x` on `sharding` inside a trace (state leaving a step as it came in)."""
+    if is_explicit(sharding):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def placement_of(arrays: Sequence[Any]) -> Placement | None:
     """None when no leaf spans several devices (nothing to pin), else per-leaf shardings."""
     shardings: list[Any] = []

@@ -93,3 +93,52 @@ def test_sharded_state_and_batch(mode, k):
     if mode == "sharded":
         assert autoflat.unwrap(p)["w1"].sharding.spec == P(None, "data")
     assert autoflat.stats(step).flattens == 2  # sharded handles take the fast path too
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("in_context", [True, False])
+def test_a_mesh_with_explicit_axes(k, in_context):
+    """Sharding in types (`jax.make_mesh(..., axis_types=Explicit)`): the step sees each
+    array's sharding in its type and may assert it (`with_sharding_constraint` is an assert
+    there). The first call's evaluation dropped it (the assert failed), and state leaving a
+    call was pinned with `with_sharding_constraint`, which such a mesh refuses outside
+    `jax.set_mesh`. Results and the state's types match `jax.jit`'s, in the mesh context or
+    not."""
+    import contextlib
+
+    AxisType = getattr(jax.sharding, "AxisType", None)
+    if AxisType is None or not hasattr(jax, "set_mesh"):
+        pytest.skip("this JAX has no explicit mesh axes")
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+    def train_step(params, opt_state, x):
+        def loss(p):
+            h = x @ p["w"]
+            if in_context:  # (outside it, jax.jit refuses the assert too)
+                h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", "model")))
+            return jnp.mean(jnp.tanh(h) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    w = jax.random.normal(jax.random.key(0), (8, 4)) * 0.5
+    params = {"w": jax.device_put(w, NamedSharding(mesh, P(None, "model")))}
+    xs = jax.random.normal(jax.random.key(1), (2 * k, 16, 8))
+    xs = jax.device_put(xs, NamedSharding(mesh, P(None, "data", None)))
+    context = jax.set_mesh(mesh) if in_context else contextlib.nullcontext()
+    with context:
+        ref = jax.jit(train_step)
+        rp, rs, ref_losses = params, tx.init(params), []
+        for i in range(2 * k):
+            rp, rs, value = ref(rp, rs, xs[i])
+            ref_losses.append(value)
+        step = autoflat.step(train_step, num_steps=k)
+        p, s, losses = params, tx.init(params), []
+        for start in range(0, 2 * k, k):
+            p, s, value = step(p, s, xs[start : start + k] if k > 1 else xs[start])
+            losses.append(jnp.atleast_1d(value))
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-5)
+    tree_allclose(p, rp)
+    assert jax.typeof(p["w"]) == jax.typeof(rp["w"])  # float32[8,4@model]
+    assert p["w"].sharding == rp["w"].sharding
