@@ -76,18 +76,16 @@ def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def eval_one_step(
+def _one_step_call(
     fn: Callable[..., Any],
     params: tuple[str, ...],
     values: dict[str, Any],
     roles: dict[str, Role],
     num_steps: int,
-    after: dict[str, Any] | None = None,
-) -> Any:
-    """The abstract value one step returns, for these arguments. With `after`, its keys are
-    parameters whose leaves after the step (updated in place: state written back) are put
-    there as (key path, leaf) pairs, abstract where traced."""
-    parts = []
+) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """Per parameter (rebuild, abstract leaves), or (None, value) for a static one, and a
+    function calling `fn` with one value per parameter (keyword-only ones by name)."""
+    parts: list[Any] = []
     for p in params:
         role = roles[p]
         if role == "static":
@@ -99,20 +97,83 @@ def eval_one_step(
             parts.append(
                 abstract_leaves(values[p], scanned and num_steps > 1, scanned and num_steps == 1)
             )
-
-    found: dict[str, Any] = {}
     keyword_only = _keyword_only(fn)
+
+    def call(args: list[Any]) -> Any:
+        positional = [a for p, a in zip(params, args, strict=True) if p not in keyword_only]
+        named = {p: a for p, a in zip(params, args, strict=True) if p in keyword_only}
+        return fn(*positional, **named)
+
+    return parts, call
+
+
+def flows(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+) -> list[frozenset[str]]:
+    """For each return position (`split` of one step's value), the parameters its arrays
+    are computed from, read off the step's jaxpr. An over-approximation: every output of an
+    operation counts as computed from all of its inputs."""
+    parts, call = _one_step_call(fn, params, values, roles, num_steps)
+    counts: list[int] = []
 
     def one_step(arrays: list[list[Any]]) -> Any:
         args = [
             value if rebuild is None else rebuild(a)
             for (rebuild, value), a in zip(parts, arrays, strict=True)
         ]
-        positional = [a for p, a in zip(params, args, strict=True) if p not in keyword_only]
-        named = {p: a for p, a in zip(params, args, strict=True) if p in keyword_only}
+        outs = []
+        for item in split(call(args)):
+            traced = [x for x in jax.tree_util.tree_leaves(item) if isinstance(x, jax.core.Tracer)]
+            counts.append(len(traced))
+            outs += traced
+        return outs
+
+    inputs = [[] if rebuild is None else a for rebuild, a in parts]
+    jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
+    owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
+    source: dict[Any, frozenset[str]] = {
+        v: frozenset({p}) for v, p in zip(jaxpr.invars, owners, strict=True)
+    }
+    none: frozenset[str] = frozenset()
+    for eqn in jaxpr.eqns:
+        found = none.union(*(source.get(v, none) for v in eqn.invars if not hasattr(v, "val")))
+        for v in eqn.outvars:
+            source[v] = found
+    result = []
+    outvars = iter(jaxpr.outvars)
+    for n in counts:
+        vs = [next(outvars) for _ in range(n)]
+        result.append(none.union(*(source.get(v, none) for v in vs if not hasattr(v, "val"))))
+    return result
+
+
+def eval_one_step(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    after: dict[str, Any] | None = None,
+) -> Any:
+    """The abstract value one step returns, for these arguments. With `after`, its keys are
+    parameters whose leaves after the step (updated in place: state written back) are put
+    there as (key path, leaf) pairs, abstract where traced."""
+    parts, call = _one_step_call(fn, params, values, roles, num_steps)
+    found: dict[str, Any] = {}
+
+    def one_step(arrays: list[list[Any]]) -> Any:
+        args = [
+            value if rebuild is None else rebuild(a)
+            for (rebuild, value), a in zip(parts, arrays, strict=True)
+        ]
         # Only traced values leave the evaluation; the rest (Python values, constants) are
         # kept as they are, so a Python scalar returned unchanged stays one.
-        leaves, treedef = jax.tree_util.tree_flatten(fn(*positional, **named))
+        leaves, treedef = jax.tree_util.tree_flatten(call(args))
         found["treedef"] = treedef
         found["n"] = len(leaves)
         found["lengths"] = []

@@ -30,13 +30,15 @@ state?) are errors raised by `_hazards`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._abstract import SCALARS, eval_one_step, positions_of, same_value
+from ._abstract import SCALARS, eval_one_step, flows, positions_of, same_value
 from ._analysis import Analysis, Return
 from ._errors import (
     AMBIGUOUS_STATE,
@@ -222,23 +224,35 @@ def infer(
         taken = set(returned_at.values()) | set(state_at.values())
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
-    if pending and open_positions:
+    if pending and open_positions and first is not None:
         out = evaluate() if out is None else out
         outputs = positions_of(first, out)
         carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
+
+        def alike(returned: Return) -> Callable[..., dict[str, tuple[int, str]] | None]:
+            # Several parameters alike, as many positions: settled by data flow, then names.
+            flow = functools.cache(
+                lambda: flows(
+                    fn, params, values, for_eval, num_steps, lambda o: positions_of(returned, o)
+                )
+            )
+            return functools.partial(_settle_alike, names=returned.names, flow=flow)
+
         by_value = _match(
-            analysis, params, values, pending, open_positions, outputs, declared, carried
-        )
+            analysis, params, values, pending, open_positions, outputs, declared, carried,
+            alike(first),
+        )  # fmt: skip
         if not by_value and first is not None and first.kind == "single" and type(out) is tuple:
             # `return update(params, opt_state, batch)`: no parameter is the whole value, so
             # its items are the return positions, as if the step returned them one by one.
             items = list(range(len(out)))
+            each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out))
             by_value = _match(
-                analysis, params, values, pending, items, list(out), declared, carried
-            )
+                analysis, params, values, pending, items, list(out), declared, carried,
+                alike(each),
+            )  # fmt: skip
             if by_value:
-                unpacked = len(out)
-                first = dataclasses.replace(first, kind="tuple", names=(None,) * unpacked)
+                unpacked, first = len(out), each
                 open_positions, outputs = items, list(out)
         matched.update(by_value)
     else:
@@ -380,12 +394,14 @@ def _match(
     outputs: list[Any],
     declared: set[str],
     carried: list[str],
+    alike: Callable[..., dict[str, tuple[int, str]] | None],
 ) -> dict[str, tuple[int, str]]:
     """Return positions matched to candidate parameters by abstract value.
 
     `carried` lists, in order, the parameters that could be state (not per-step, not static):
     a bare array may only match the position of its rank among them, so a scalar loss is never
-    taken for a scalar input."""
+    taken for a scalar input. `alike(left, spots, fits)` settles several parameters alike over
+    as many positions (`_settle_alike`), or returns None."""
     if not outputs:
         return {}
     rank = {p: i for i, p in enumerate(carried)}
@@ -426,12 +442,9 @@ def _match(
     left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
     if left:
         spots = sorted({pos for p in left for pos in fits[p]})
-        if len(spots) == len(left) and all(
-            pos in fits[p] for p, pos in zip(left, spots, strict=True)
-        ):
-            # Several alike: the step keeps the parameter order.
-            for p, pos in zip(left, spots, strict=True):
-                matched[p] = (pos, f"matched by value and parameter order to return position {pos}")
+        settled = alike(left, spots, fits) if len(spots) == len(left) else None
+        if settled is not None:
+            matched.update(settled)
         else:
             names = ", ".join(f"`{q}`" for q in left)
             if len(spots) == 1:
@@ -447,6 +460,53 @@ def _match(
             example = ", ".join(f'"{q}": <position>' for q in left)
             raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
     return matched
+
+
+def _settle_alike(
+    left: list[str],
+    spots: list[int],
+    fits: dict[str, list[int]],
+    *,
+    names: tuple[str | None, ...],
+    flow: Callable[[], list[frozenset[str]]],
+) -> dict[str, tuple[int, str]] | None:
+    """Several parameters alike (`ema_params, params`; a GAN's two models of one shape), as
+    many positions: the one assignment under which each position is computed from its
+    parameter (the step's data flow), else the one whose returned names share most words with
+    the parameters' (`new_ema` and `ema_params`), else None: parameter order is no evidence
+    (`return new_params, new_ema` for `(ema_params, params)` trained silently wrong)."""
+    if len(left) > 6:
+        return None
+    options = [
+        perm
+        for perm in itertools.permutations(spots)
+        if all(pos in fits[p] for p, pos in zip(left, perm, strict=True))
+    ]
+    sources = flow()
+    flowing = [
+        perm
+        for perm in options
+        if all(p in sources[pos] for p, pos in zip(left, perm, strict=True))
+    ]
+    if len(flowing) == 1:
+        return {
+            p: (pos, f"matched by value and data flow to return position {pos}")
+            for p, pos in zip(left, flowing[0], strict=True)
+        }
+
+    def words(name: str | None) -> set[str]:
+        return {w for w in (name or "").lower().split("_") if w}
+
+    def shared(perm: tuple[int, ...]) -> int:
+        return sum(len(words(p) & words(names[pos])) for p, pos in zip(left, perm, strict=True))
+
+    scored = sorted(((shared(perm), perm) for perm in flowing or options), reverse=True)
+    if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):
+        return {
+            p: (pos, f"matched by value and name to return position {pos}")
+            for p, pos in zip(left, scored[0][1], strict=True)
+        }
+    return None
 
 
 def _is_key(value: Any) -> bool:

@@ -220,8 +220,16 @@ def test_declared_state_that_nothing_matches_is_an_error():
     np.testing.assert_array_equal(p, jnp.ones(3))  # nothing consumed
 
 
-def test_alike_state_follows_parameter_order_or_is_an_error():
+def test_alike_state_follows_data_flow_then_names_or_is_an_error():
+    """Parameters alike (one tree structure, shapes, dtypes) returned under other names: each
+    position goes to the parameter it is computed from, else to the one whose name it shares
+    a word with; parameter order alone is no evidence (it was, and `(ema_params, params)`
+    returning `new_params, new_ema` swapped the two at num_steps > 1, silently)."""
+
     def update(a, b, x):
+        return {"w": a["w"] + x}, {"w": b["w"] * 2}
+
+    def swapped(b, a, x):
         return {"w": a["w"] + x}, {"w": b["w"] * 2}
 
     start = ({"w": jnp.ones(3)}, {"w": jnp.full(3, 3.0)}, jnp.ones((2, 3)))
@@ -229,7 +237,42 @@ def test_alike_state_follows_parameter_order_or_is_an_error():
     a, b = step(*start)
     np.testing.assert_allclose(a["w"], [3.0] * 3)
     np.testing.assert_allclose(b["w"], [12.0] * 3)
-    assert "# b: state (matched by value and parameter order to return position 1)" in step.source
+    assert "# b: state (matched by value and data flow to return position 1)" in step.source
+    step = autoflat.step(swapped, num_steps=2)
+    a, b = step(start[1], start[0], start[2])
+    np.testing.assert_allclose(a["w"], [3.0] * 3)
+    np.testing.assert_allclose(b["w"], [12.0] * 3)
+    assert "# b: state (matched by value and data flow to return position 1)" in step.source
+
+    def ema(ema_params, params, x):
+        new_params = {"w": params["w"] - 0.1 * x}
+        new_ema = {"w": 0.9 * ema_params["w"] + 0.1 * new_params["w"]}
+        return new_params, new_ema
+
+    step = autoflat.step(ema, num_steps=2)
+    new_params, new_ema = step({"w": jnp.zeros(3)}, {"w": jnp.ones(3)}, jnp.ones((2, 3)))
+    np.testing.assert_allclose(new_params["w"], [0.8] * 3, rtol=1e-6)
+    np.testing.assert_allclose(new_ema["w"], [0.9 * 0.09 + 0.08] * 3, rtol=1e-6)
+    assert "# ema_params: state (matched by value and data flow to return position 1)" in (
+        step.source
+    )
+
+    def mixed(fast, slow, x):  # each new value computed from both: names decide
+        new_slow = {"w": slow["w"] + 0.5 * (fast["w"] - slow["w"])}
+        new_fast = {"w": new_slow["w"] + x}
+        return new_fast, new_slow
+
+    step = autoflat.step(mixed, num_steps=2)
+    step(*start)
+    assert "# slow: state (matched by value and name to return position 1)" in step.source
+
+    def anonymous(a, b, x):  # computed from both, names that say nothing: an error
+        c = {"w": a["w"] + b["w"] + x}
+        d = {"w": a["w"] - b["w"]}
+        return c, d
+
+    with pytest.raises(autoflat.OptionError, match=r"could each be the new value of `a`, `b`"):
+        autoflat.step(anonymous, num_steps=2)(*start)
 
     def three(a, b, x):
         return {"w": a["w"] + x}, {"w": b["w"] * 2}, {"w": x}  # three alike, two parameters
