@@ -192,7 +192,7 @@ def refuse_nested_state(
         for pos in positions:
             if pos in taken:
                 continue
-            path = _nested_path(value, outputs[pos])
+            path = _nested_path(value, outputs[pos], p)
             if path is not None:
                 raise error(
                     OptionError,
@@ -216,19 +216,19 @@ def check_state_at(
             continue  # a bare array: a nested match says little
         if same_value(value, outputs[pos]):
             continue
-        path = _nested_path(value, outputs[pos])
+        path = _nested_path(value, outputs[pos], p)
         if path is not None:
             raise error(
                 OptionError, STATE_AT_NESTED, analysis, param=p, pos=pos, path=f"[{pos}]{path}"
             )
 
 
-def _nested_path(value: Any, out: Any) -> str | None:
-    """Where inside `out` (not `out` itself) a value like `value` is, if anywhere."""
+def _nested_path(value: Any, out: Any, name: str) -> str | None:
+    """Where inside `out` (not `out` itself) a value like `value` is, if anywhere; of several,
+    one whose path names `name` (`{"params": ..., "ema": ...}` alike)."""
     found = jax.tree_util.tree_flatten_with_path(
         out, is_leaf=lambda x: x is not out and same_value(value, x)
     )[0]
-    for path, sub in found:
-        if path and same_value(value, sub):
-            return jax.tree_util.keystr(path)
-    return None
+    paths = [jax.tree_util.keystr(path) for path, sub in found if path and same_value(value, sub)]
+    named = [p for p in paths if f"['{name}']" in p or f".{name}" in p]
+    return next(iter(named or paths), None)

@@ -224,7 +224,16 @@ def infer(
         taken = set(returned_at.values()) | set(state_at.values())
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
-    if pending and open_positions and first is not None:
+    # Python numbers static with num_steps > 1, which a return may give back changed.
+    numbers = [
+        p
+        for p in params
+        if num_steps > 1
+        and kinds.get(p, ("",))[0] == "static"
+        and type(values[p]) in (int, float)
+        and for_eval[p] == "static"
+    ]
+    if (pending or numbers) and open_positions and first is not None:
         out = evaluate() if out is None else out
         outputs = positions_of(first, out)
         carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
@@ -262,6 +271,14 @@ def infer(
         check_state_at(analysis, values, state_at, positions_of(first, out))
     if num_steps > 1 and outputs:
         refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
+        counters = _counters(params, values, numbers, for_eval, matched, open_positions, outputs)
+        for p, pos in counters.items():
+            matched[p] = (
+                pos,
+                f"a Python {type(values[p]).__name__} that return position {pos} gives back "
+                "changed: carried as an array",
+            )
+            for_eval[p] = "state"
     if num_steps > 1 and first is not None and first.kind != "none":
         out = check_per_step_returned(
             analysis, fn, params, values, kinds, for_eval, options, matched, open_positions,
@@ -460,6 +477,34 @@ def _match(
             example = ", ".join(f'"{q}": <position>' for q in left)
             raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
     return matched
+
+
+def _counters(
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    numbers: list[str],
+    for_eval: dict[str, Role],
+    matched: dict[str, tuple[int, str]],
+    positions: list[int],
+    outputs: list[Any],
+) -> dict[str, int]:
+    """With num_steps > 1, Python numbers the step gives back changed at their place among
+    the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
+    counter or a decayed rate, carried as an array. Left static (as other Python numbers),
+    every step of a call saw the first value, silently. Only a Python number at that place
+    counts: an array there (a loss) says nothing about a static `num_classes`."""
+    carried = [p for p in params if p in numbers or for_eval[p] not in ("scanned", "static")]
+    taken = {pos for pos, _ in matched.values()}
+    found = {}
+    for p in numbers:
+        pos = carried.index(p)
+        if pos not in positions or pos in taken or p in matched:
+            continue
+        # A Python number computed from it, not an array (a loss at that place is one).
+        out = outputs[pos]
+        if type(out) in (int, float) and out != values[p]:
+            found[p] = pos
+    return found
 
 
 def _settle_alike(

@@ -724,3 +724,65 @@ def test_a_reused_key_beside_a_carried_one_stays_broadcast():
     shown = autoflat.show(step)
     assert "# key: state (matched by value to return position 1)" in shown
     assert "# eval_key: broadcast (no leading axis of num_steps=4 at the first call)" in shown
+
+
+def test_a_python_counter_given_back_changed_is_carried():
+    """`return w, step + 1, lr` with `step=0` a Python int (a counter for a schedule): at
+    num_steps=4 it was static, as Python numbers are, so every step of a call saw 0 (learning
+    rates 0.1 0.1 0.1 0.1, then 0.05 x4 from the stacked counters), silently. A Python number
+    given back changed at its place is carried, as an array. One whose place holds an array
+    (a loss, for a `num_classes`) stays static."""
+
+    def update(w, step, x):
+        lr = 0.1 / (1.0 + step)
+        return w - lr * jnp.mean(x) * w, step + 1, lr
+
+    def decay(w, lr, x):
+        return w - lr * jnp.mean(x) * w, lr * 0.5, jnp.sum(w)
+
+    xs = jnp.arange(1.0, 9.0).reshape(8, 1)
+    for fn, start in ((update, 0), (decay, 0.1)):
+        ref = jax.jit(fn)
+        w, s, ref_outs = jnp.ones(2), start, []
+        for x in xs:
+            w, s, out = ref(w, s, x)
+            ref_outs.append(out)
+        step = autoflat.step(fn, num_steps=K)
+        w2, s2, outs = jnp.ones(2), start, []
+        for c in range(2):
+            w2, s2, out = step(w2, s2, xs[K * c : K * (c + 1)])
+            outs.append(out)
+            if c == 0:
+                name = fn.__code__.co_varnames[1]
+                kind = type(start).__name__
+                assert (
+                    f"# {name}: state (a Python {kind} that return position 1 gives back "
+                    "changed: carried as an array)" in autoflat.show(step)
+                )
+        np.testing.assert_allclose(jnp.concatenate(outs), jnp.stack(ref_outs), rtol=1e-6)
+        np.testing.assert_allclose(w2, w, rtol=1e-6)
+        np.testing.assert_allclose(s2, s, rtol=1e-6)
+
+    def classify(w, num_classes, x):
+        loss = -jnp.mean(jax.nn.one_hot(jnp.argmax(x @ w, -1), num_classes) * (x @ w))
+        return w - 0.1 * loss, loss
+
+    step = autoflat.step(classify, num_steps=K)
+    step(jnp.ones((3, 4)), 4, jnp.ones((K, 2, 3)))
+    assert "# num_classes: static (a Python int, static as in eqx.filter_jit)" in autoflat.show(
+        step
+    )
+
+
+def test_state_inside_a_returned_dict_is_named_where_it_is():
+    """`return {"ema": ..., "params": ..., "loss": ...}` at num_steps=4: refused (state is
+    carried at top-level positions only), naming `params`'s own key, not the first subtree
+    alike (`['ema']`)."""
+
+    def update(params, x):
+        new = {"w": params["w"] - 0.1 * x}
+        return {"ema": {"w": 0.5 * new["w"]}, "params": new, "loss": jnp.sum(x)}
+
+    step = autoflat.step(update, num_steps=K)
+    with pytest.raises(autoflat.OptionError, match=r"at `\[0\]\['params'\]`, not at a position"):
+        step({"w": jnp.ones(3)}, jnp.ones((K, 3)))
