@@ -208,6 +208,9 @@ def positions_of(first: Any, out: Any) -> list[Any]:
         return []
     if first.kind == "single":
         return [out]
+    if first.keys:
+        keys = first.keys
+        return [out[k] for k in keys] if isinstance(out, dict) and set(out) == set(keys) else []
     return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
 
 

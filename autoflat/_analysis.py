@@ -58,6 +58,9 @@ class Return:
     line: int
     kind: ReturnKind
     names: tuple[str | None, ...]
+    # Set by the first call (`_infer`) for one expression that gave a dict whose values are
+    # the return positions (`return {"params": ..., "loss": ...}`): its keys, in that order.
+    keys: tuple[Any, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "none":

@@ -266,6 +266,8 @@ def generate(
         | {name}
     )
     helpers = {h: namer(f"_af_{h}") for h in HELPERS}
+    if roles.layout.keys:
+        helpers["items"] = namer("_af_items")  # a dict's values by the first call's keys
     spec, state_in, xs_in, bcast_in = (
         namer(n) for n in ("_af_spec", "_af_state", "_af_xs", "_af_broadcast")
     )
@@ -284,7 +286,8 @@ def generate(
     out_positions = [pos for pos, (kind, _) in enumerate(roles.layout.entries) if kind == "out"]
 
     # `return f(...)` whose value is a tuple with state among its items: unpacked into names
-    # first (`_af_ret0, _af_ret1 = f(...); return ...`), a tuple of another length raising.
+    # first (`_af_ret0, _af_ret1 = f(...); return ...`), a tuple of another length raising;
+    # a dict through `_af_items(..., keys)`, which checks its keys.
     unpacked = (
         [namer(f"_af_ret{i}") for i in range(len(roles.layout.entries))]
         if roles.layout.kind == "unpacked"
@@ -294,9 +297,13 @@ def generate(
     def make_return(node: cst.Return | None) -> Any:
         if unpacked and node is not None and node.value is not None:
             names = [cst.Name(n) for n in unpacked]
+            value = node.value
+            if roles.layout.keys:
+                keys = cst.parse_expression(repr(tuple(roles.layout.keys)))
+                value = cst.Call(cst.Name(helpers["items"]), [cst.Arg(value), cst.Arg(keys)])
             unpack = cst.Assign(
                 targets=[cst.AssignTarget(cst.Tuple([cst.Element(n) for n in names], [], []))],
-                value=node.value,
+                value=value,
                 semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
             )
             return cst.FlattenSentinel([unpack, assemble(list(names), node)])
@@ -410,6 +417,8 @@ def generate(
                 if kind == "state"
                 else "output" + (" (stacked)" if scanning else "")
             )
+        if roles.layout.keys:
+            shown = [f"{k!r}: {v}" for k, v in zip(roles.layout.keys, shown, strict=True)]
         header.append("returns: " + ", ".join(shown))
 
     names = {

@@ -184,6 +184,7 @@ def infer(
     ]
     first = analysis.returns[0] if analysis.returns else None
     unpacked = 0
+    keys: tuple[Any, ...] = ()  # a returned dict's, when its items are the positions
     matched: dict[str, tuple[int, str]] = {}
     state_at = dict(options.state_at)
 
@@ -248,30 +249,38 @@ def infer(
             return functools.partial(_settle_alike, names=returned.names, flow=flow)
 
         by_value = _match(
-            analysis, params, values, pending, open_positions, outputs, declared, carried,
-            alike(first),
+            analysis, params, values, pending, open_positions, outputs, declared,
+            _places(carried, first), alike(first),
         )  # fmt: skip
-        if not by_value and first is not None and first.kind == "single" and type(out) is tuple:
-            # `return update(params, opt_state, batch)`: no parameter is the whole value, so
-            # its items are the return positions, as if the step returned them one by one.
-            items = list(range(len(out)))
+        if not by_value and first.kind == "single" and _unpackable(out):
+            # `return update(params, opt_state, batch)`, `return {"params": ..., ...}`: no
+            # parameter is the whole value, so its items are the return positions, as if the
+            # step returned them one by one.
             each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out))
+            if isinstance(out, dict):
+                names = tuple(k if isinstance(k, str) else None for k in out)
+                each = dataclasses.replace(each, names=names, keys=tuple(out))
+            contents = positions_of(each, out)
+            items = list(range(len(contents)))
             by_value = _match(
-                analysis, params, values, pending, items, list(out), declared, carried,
-                alike(each),
+                analysis, params, values, pending, items, contents, declared,
+                _places(carried, each), alike(each),
             )  # fmt: skip
             if by_value:
-                unpacked, first = len(out), each
-                open_positions, outputs = items, list(out)
+                unpacked, first = len(contents), each
+                keys = each.keys
+                open_positions, outputs = items, contents
         matched.update(by_value)
     else:
         outputs = None
     if state_at:
         out = evaluate() if out is None else out
         check_state_at(analysis, values, state_at, positions_of(first, out))
-    if num_steps > 1 and outputs:
+    if num_steps > 1 and outputs and first is not None:
         refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
-        counters = _counters(params, values, numbers, for_eval, matched, open_positions, outputs)
+        counters = _counters(
+            params, values, numbers, for_eval, matched, open_positions, outputs, first
+        )
         for p, pos in counters.items():
             matched[p] = (
                 pos,
@@ -302,11 +311,17 @@ def infer(
             param=missing[0],
             returns="; ".join(r.describe() for r in analysis.returns) or "no return",
         )
+    if keys:  # a returned dict's positions are its keys
+        matched = {
+            p: (pos, why.replace(f"return position {pos}", f"return key {keys[pos]!r}"))
+            for p, (pos, why) in matched.items()
+        }
     run_kinds = tuple((p, role, why) for p, (role, why) in kinds.items() if p not in matched)
     run_time = RunTime(
         kinds=run_kinds,
         matched=tuple((p, pos, why) for p, (pos, why) in matched.items()),
         unpacked=unpacked,
+        keys=keys,
     )
     roles = assign_roles(analysis, options, mutable, run_time)
     positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
@@ -410,25 +425,24 @@ def _match(
     positions: list[int],
     outputs: list[Any],
     declared: set[str],
-    carried: list[str],
+    place: dict[str, int],
     alike: Callable[..., dict[str, tuple[int, str]] | None],
 ) -> dict[str, tuple[int, str]]:
     """Return positions matched to candidate parameters by abstract value.
 
-    `carried` lists, in order, the parameters that could be state (not per-step, not static):
-    a bare array may only match the position of its rank among them, so a scalar loss is never
-    taken for a scalar input. `alike(left, spots, fits)` settles several parameters alike over
-    as many positions (`_settle_alike`), or returns None."""
+    `place` (`_places`) gives the parameters that could be state their own return position:
+    a bare array may only match there, so a scalar loss is never taken for a scalar input.
+    `alike(left, spots, fits)` settles several parameters alike over as many positions
+    (`_settle_alike`), or returns None."""
     if not outputs:
         return {}
-    rank = {p: i for i, p in enumerate(carried)}
     fits: dict[str, list[int]] = {}
     for p in candidates:
         bare = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
         fits[p] = [
             pos
             for pos in positions
-            if (not bare or p in declared or pos == rank.get(p))
+            if (not bare or p in declared or pos == place.get(p))
             and same_value(values[p], outputs[pos])
         ]
     # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
@@ -459,7 +473,7 @@ def _match(
     left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
     if left:
         spots = sorted({pos for p in left for pos in fits[p]})
-        settled = alike(left, spots, fits) if len(spots) == len(left) else None
+        settled = alike(left, spots, fits) if len(spots) >= len(left) else None
         if settled is not None:
             matched.update(settled)
         else:
@@ -487,6 +501,7 @@ def _counters(
     matched: dict[str, tuple[int, str]],
     positions: list[int],
     outputs: list[Any],
+    returned: Return,
 ) -> dict[str, int]:
     """With num_steps > 1, Python numbers the step gives back changed at their place among
     the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
@@ -494,10 +509,11 @@ def _counters(
     every step of a call saw the first value, silently. Only a Python number at that place
     counts: an array there (a loss) says nothing about a static `num_classes`."""
     carried = [p for p in params if p in numbers or for_eval[p] not in ("scanned", "static")]
+    place = _places(carried, returned)
     taken = {pos for pos, _ in matched.values()}
     found = {}
     for p in numbers:
-        pos = carried.index(p)
+        pos = place.get(p, -1)
         if pos not in positions or pos in taken or p in matched:
             continue
         # A Python number computed from it, not an array (a loss at that place is one).
@@ -515,16 +531,17 @@ def _settle_alike(
     names: tuple[str | None, ...],
     flow: Callable[[], list[frozenset[str]]],
 ) -> dict[str, tuple[int, str]] | None:
-    """Several parameters alike (`ema_params, params`; a GAN's two models of one shape), as
-    many positions: the one assignment under which each position is computed from its
-    parameter (the step's data flow), else the one whose returned names share most words with
-    the parameters' (`new_ema` and `ema_params`), else None: parameter order is no evidence
-    (`return new_params, new_ema` for `(ema_params, params)` trained silently wrong)."""
-    if len(left) > 6:
+    """Parameters alike (`ema_params, params`; a GAN's two models of one shape) over at least
+    as many positions alike: the one assignment under which each position is computed from
+    its parameter (the step's data flow), else the one whose returned names share most words
+    with the parameters' (`new_ema` and `ema_params`), else None: parameter order is no
+    evidence (`return new_params, new_ema` for `(ema_params, params)` trained silently
+    wrong). Positions left over are per-step outputs."""
+    if len(spots) > 6:
         return None
     options = [
         perm
-        for perm in itertools.permutations(spots)
+        for perm in itertools.permutations(spots, len(left))
         if all(pos in fits[p] for p, pos in zip(left, perm, strict=True))
     ]
     sources = flow()
@@ -552,6 +569,21 @@ def _settle_alike(
             for p, pos in zip(left, scored[0][1], strict=True)
         }
     return None
+
+
+def _places(carried: list[str], returned: Return) -> dict[str, int]:
+    """Each parameter that could be state, in order, with its own return position: its rank
+    among them, or for a returned dict the key that is its name (`"step": step + 1`)."""
+    if returned.keys:
+        return {p: returned.keys.index(p) for p in carried if p in returned.keys}
+    return {p: i for i, p in enumerate(carried)}
+
+
+def _unpackable(out: Any) -> bool:
+    """A tuple, or a dict keyed by strings or ints (keys the generated code can spell)."""
+    if type(out) is tuple:
+        return True
+    return type(out) is dict and all(type(k) in (str, int) for k in out)
 
 
 def _is_key(value: Any) -> bool:

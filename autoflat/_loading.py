@@ -71,7 +71,9 @@ def load(
 
     factory = _find_code(code, generated.factory)
     inner = _find_code(factory, generated.function)
-    values: dict[str, Any] = {generated.helpers[k]: v for k, v in helpers.items()}
+    values: dict[str, Any] = {
+        generated.helpers[k]: v for k, v in helpers.items() if k in generated.helpers
+    }
     user_cells = dict(
         zip(user_fn.__code__.co_freevars, user_fn.__closure__ or (), strict=True)  # type: ignore[attr-defined]
     )

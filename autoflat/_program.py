@@ -85,6 +85,8 @@ class Program:
         items = [
             handles[j] if kind == "state" else outputs[j] for kind, j in self.roles.layout.entries
         ]
+        if self.roles.layout.keys:
+            return dict(zip(self.roles.layout.keys, items, strict=True))
         return items[0] if shape == "single" else tuple(items)
 
 

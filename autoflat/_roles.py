@@ -58,8 +58,10 @@ class RunTime:
     kinds: tuple[tuple[str, Role, str], ...] = ()
     matched: tuple[tuple[str, int, str], ...] = ()
     # A `return f(...)` whose value was a tuple of this many items with state among them
-    # (`return update(params, opt_state, batch)`): its items are the return positions.
+    # (`return update(params, opt_state, batch)`): its items are the return positions. For a
+    # dict (`return {"params": ..., "loss": ...}`), its keys, in that order.
     unpacked: int = 0
+    keys: tuple[Any, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +70,12 @@ class Layout:
 
     `entries` has one item per returned element: `("state", i)` for the i-th state parameter,
     `("out", j)` for the j-th per-step output. `"unpacked"`: the step returns one expression
-    whose value is a tuple (`RunTime.unpacked`), unpacked into the entries.
+    whose value is a tuple or a dict (`RunTime.unpacked`), unpacked into the entries.
     """
 
     kind: Literal["none", "single", "tuple", "unpacked"]
     entries: tuple[tuple[Literal["state", "out"], int], ...]
+    keys: tuple[Any, ...] = ()  # "unpacked" from a dict: its keys, one per entry
 
     @property
     def n_outputs(self) -> int:
@@ -271,7 +274,7 @@ def assign_roles(
         params=params,
         roles=tuple(roles),
         reasons=tuple(reasons),
-        layout=Layout(kind, tuple(entries)),
+        layout=Layout(kind, tuple(entries), run_time.keys if run_time is not None else ()),
     )
 
 

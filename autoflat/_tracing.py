@@ -121,4 +121,17 @@ def _bad_length(spec: Any, reason: str) -> None:
     )
 
 
-HELPERS = {"unflatten": _unflatten, "flatten": _flatten, "scan": _scan}
+def _items(value: Any, keys: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The values of the dict a step returns (`return {"params": ..., "loss": ...}`), in the
+    order of the keys it had at the first call, which are its return positions."""
+    if not isinstance(value, dict) or set(value) != set(keys):
+        got = sorted(map(repr, value)) if isinstance(value, dict) else type(value).__name__
+        raise ShapeError(
+            f"the step returned {got}, where its first call returned a dict with the keys "
+            f"{sorted(map(repr, keys))}, which are its return positions: return the same keys "
+            "from every call"
+        )
+    return tuple(value[k] for k in keys)
+
+
+HELPERS = {"unflatten": _unflatten, "flatten": _flatten, "scan": _scan, "items": _items}

@@ -275,15 +275,23 @@ def test_alike_state_follows_data_flow_then_names_or_is_an_error():
         autoflat.step(anonymous, num_steps=2)(*start)
 
     def three(a, b, x):
-        return {"w": a["w"] + x}, {"w": b["w"] * 2}, {"w": x}  # three alike, two parameters
+        # three alike, two parameters: the third is computed from neither
+        return {"w": a["w"] + x}, {"w": b["w"] * 2}, {"w": x}
 
-    with pytest.raises(autoflat.OptionError, match=r"`a`, `b`") as info:
-        autoflat.step(three, num_steps=2)(*start)
-    assert 'state={"a": <position>, "b": <position>}' in str(info.value)
-    mapped = autoflat.step(three, num_steps=2, state={"a": 0, "b": 1})
-    a, b, xs = mapped(*start)
+    a, b, xs = autoflat.step(three, num_steps=2)(*start)
     np.testing.assert_allclose(b["w"], [12.0] * 3)
     assert xs["w"].shape == (2, 3)  # the third is a per-step output, stacked
+
+    def mixed_three(a, b, x):  # each computed from both: no evidence, an error
+        return {"w": a["w"] + b["w"]}, {"w": b["w"] - a["w"]}, {"w": a["w"] * b["w"] + x}
+
+    with pytest.raises(autoflat.OptionError, match=r"`a`, `b`") as info:
+        autoflat.step(mixed_three, num_steps=2)(*start)
+    assert 'state={"a": <position>, "b": <position>}' in str(info.value)
+    mapped = autoflat.step(mixed_three, num_steps=2, state={"a": 0, "b": 1})
+    a, b, xs = mapped(*start)
+    np.testing.assert_allclose(b["w"], [-2.0] * 3)  # b: 3 - 1 = 2, then 2 - (1 + 3)
+    assert xs["w"].shape == (2, 3)
 
 
 @pytest.mark.parametrize("k", [1, K])
@@ -775,14 +783,76 @@ def test_a_python_counter_given_back_changed_is_carried():
 
 
 def test_state_inside_a_returned_dict_is_named_where_it_is():
-    """`return {"ema": ..., "params": ..., "loss": ...}` at num_steps=4: refused (state is
-    carried at top-level positions only), naming `params`'s own key, not the first subtree
-    alike (`['ema']`)."""
+    """`return {"ema": ..., "params": ..., "loss": ...}` for a step taking `params` only, and
+    another taking `params` inside a tuple: the dict's values are its return positions, and
+    `params` is the one computed from it whose key is its name (the "ema" alike is a per-step
+    output). The nested-state error names `params`'s own key, not the first subtree alike."""
 
     def update(params, x):
         new = {"w": params["w"] - 0.1 * x}
         return {"ema": {"w": 0.5 * new["w"]}, "params": new, "loss": jnp.sum(x)}
 
     step = autoflat.step(update, num_steps=K)
+    out = step({"w": jnp.ones(3)}, jnp.ones((K, 3)))
+    np.testing.assert_allclose(out["params"]["w"], [1.0 - 0.1 * K] * 3, rtol=1e-6)
+    assert out["ema"]["w"].shape == (K, 3)
+    assert "# params: state (matched by value and name to return key 'params')" in (
+        autoflat.show(step)
+    )
+
+    def nested(params, x):
+        new = {"w": params["w"] - 0.1 * x}
+        return ({"ema": {"w": 0.5 * new["w"]}, "params": new}, jnp.sum(x))
+
+    step = autoflat.step(nested, num_steps=K)
     with pytest.raises(autoflat.OptionError, match=r"at `\[0\]\['params'\]`, not at a position"):
         step({"w": jnp.ones(3)}, jnp.ones((K, 3)))
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_a_returned_dict_has_its_values_as_return_positions(k):
+    """`return {"params": ..., "opt_state": ..., "step": step + 1, "loss": ...}`: refused at
+    num_steps=4 (state inside return position 0), and at 1 the state was a per-step input.
+    The dict's values are the return positions: state matched by value (a bare array or a
+    Python counter by the key that is its name), the call returns the dict (keys sorted, as
+    `jax.jit` returns it), and a later trace giving other keys raises a ShapeError."""
+    tx = optax.adam(0.1)
+
+    def train_step(params, opt_state, step, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((x[:3] * p["w"] - 1.0) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        lr_scale = 1.0 / (1.0 + step)
+        params = jax.tree.map(lambda p, u: p + lr_scale * u, params, updates)
+        if x.shape[-1] == 5:
+            return {"params": params, "opt_state": opt_state, "step": step + 1}
+        return {"params": params, "opt_state": opt_state, "step": step + 1, "loss": loss}
+
+    params = {"w": jnp.zeros(3)}
+    xs = _batches(8)
+    ref = jax.jit(train_step)
+    out = {"params": params, "opt_state": tx.init(params), "step": 0}
+    ref_losses = []
+    for i in range(8):
+        out = ref(out["params"], out["opt_state"], out["step"], xs[i])
+        ref_losses.append(out["loss"])
+    step = autoflat.step(train_step, num_steps=k)
+    got = {"params": params, "opt_state": tx.init(params), "step": 0}
+    losses = []
+    for start in range(0, 8, k):
+        x = xs[start : start + k] if k > 1 else xs[start]
+        got = step(got["params"], got["opt_state"], got["step"], x)
+        losses.append(jnp.atleast_1d(got["loss"]))
+    assert list(got) == ["loss", "opt_state", "params", "step"]
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-6)
+    tree_allclose(got["params"], out["params"])
+    assert int(got["step"]) == int(out["step"]) == 8
+    shown = autoflat.show(step)
+    assert "# params: state (matched by value to return key 'params')" in shown
+    assert "# returns: 'loss': output" in shown
+    assert "_af_ret0, _af_ret1, _af_ret2, _af_ret3 = _af_items(" in shown
+    assert "('loss', 'opt_state', 'params', 'step'))" in shown
+    before = got["params"]
+    bad = jnp.ones((k, 5)) if k > 1 else jnp.ones(5)
+    with pytest.raises(autoflat.ShapeError, match=r"where its first call returned a dict with"):
+        step(got["params"], got["opt_state"], got["step"], bad)
+    np.testing.assert_allclose(autoflat.unwrap(before)["w"], out["params"]["w"], rtol=1e-6)
