@@ -146,6 +146,16 @@ def step(
             # `autoflat.step(self.train_step)`, as `jax.jit` takes it: the method's function
             # as a method step, reached through its instance (as decorating it in the class).
             return make(fn.__func__).__get__(fn.__self__)
+        if (
+            not inspect.isroutine(fn)
+            and not isinstance(fn, (functools.partial, Step))
+            and not hasattr(fn, "__wrapped__")
+            and inspect.isfunction(inspect.getattr_static(type(fn), "__call__", None))
+        ):
+            # An object whose class defines `__call__` (an Equinox module as the step), as
+            # `jax.jit` takes it: its bound `__call__`.
+            instance: Any = fn
+            return make(instance.__call__)
         return Step(
             fn,
             num_steps=num_steps,

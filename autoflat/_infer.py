@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -137,8 +138,13 @@ def infer(
     # argument returned under another name may have leaves of any leading axis.
     deferred: dict[str, Exception] = {}
     removed = {p: (spelling, line) for p, spelling, line in analysis.removed}
+    defaults = _defaulted(fn, values) if num_steps > 1 else set()
     for p in open_:
         found = _kind(analysis, p, values[p], num_steps)
+        if p in defaults and (isinstance(found, Exception) or found[0] == "scanned"):
+            # A default the call did not pass (`class_weights=W`) is not per-step data, even
+            # if its first axis happens to be num_steps: the same every step, as under jax.jit.
+            found = ("broadcast", "its default value, the same every step")
         if isinstance(found, Exception):
             deferred[p] = found
             kinds[p] = ("broadcast", "mixed leading axes")  # a state candidate for now
@@ -237,7 +243,15 @@ def infer(
     if (pending or numbers) and open_positions and first is not None:
         out = evaluate() if out is None else out
         outputs = positions_of(first, out)
-        carried = [p for p in params if for_eval[p] not in ("scanned", "static")]
+        # The parameters that could be state, in order (a method's instance and those named
+        # broadcast= cannot: counted, a step's `(self, w, x)` put `w` at the second place).
+        carried = [
+            p
+            for p in params
+            if for_eval[p] not in ("scanned", "static")
+            and p not in options.broadcast
+            and p != options.instance
+        ]
 
         def alike(returned: Return) -> Callable[..., dict[str, tuple[int, str]] | None]:
             # Several parameters alike, as many positions: settled by data flow, then names.
@@ -279,7 +293,7 @@ def infer(
     if num_steps > 1 and outputs and first is not None:
         refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
         counters = _counters(
-            params, values, numbers, for_eval, matched, open_positions, outputs, first
+            params, carried, numbers, values, matched, open_positions, outputs, first
         )
         for p, pos in counters.items():
             matched[p] = (
@@ -495,9 +509,9 @@ def _match(
 
 def _counters(
     params: tuple[str, ...],
-    values: dict[str, Any],
+    carried: list[str],
     numbers: list[str],
-    for_eval: dict[str, Role],
+    values: dict[str, Any],
     matched: dict[str, tuple[int, str]],
     positions: list[int],
     outputs: list[Any],
@@ -508,8 +522,7 @@ def _counters(
     counter or a decayed rate, carried as an array. Left static (as other Python numbers),
     every step of a call saw the first value, silently. Only a Python number at that place
     counts: an array there (a loss) says nothing about a static `num_classes`."""
-    carried = [p for p in params if p in numbers or for_eval[p] not in ("scanned", "static")]
-    place = _places(carried, returned)
+    place = _places([p for p in params if p in numbers or p in carried], returned)
     taken = {pos for pos, _ in matched.values()}
     found = {}
     for p in numbers:
@@ -569,6 +582,22 @@ def _settle_alike(
             for p, pos in zip(left, scored[0][1], strict=True)
         }
     return None
+
+
+def _defaulted(fn: Callable[..., Any], values: dict[str, Any]) -> set[str]:
+    """The parameters whose value is their default (the call did not pass them)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {
+        p.name
+        for p in parameters
+        if p.default is not inspect.Parameter.empty
+        and p.name in values
+        and values[p.name] is p.default
+        and jax.tree_util.tree_leaves(p.default)
+    }
 
 
 def _places(carried: list[str], returned: Return) -> dict[str, int]:

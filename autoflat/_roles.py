@@ -151,26 +151,33 @@ def check_options(analysis: Analysis, options: Options) -> None:
 
 
 def returned_by_name(analysis: Analysis, options: Options) -> dict[str, int]:
-    """Parameters that every `return` gives back by name, at the same position."""
+    """Parameters that every `return` gives back by name, at the same position. One that some
+    returns give back by name and others as another expression at that position (`return p,
+    s, loss` in a branch, `return new_p, new_s, loss` at the end) is left to matching by
+    value; one given back by name at two positions is a disagreement."""
     params = analysis.param_names
     explicit = options.broadcast | options.static | options.per_step | {options.instance}
     returns = analysis.returns
     first = returns[0] if returns else None
     returned_at: dict[str, int] = {}
-    if first is not None and first.kind != "none":
-        for pos, name in enumerate(first.names):
-            if name is None or name not in params or name in explicit or name in returned_at:
+    if first is None or first.kind == "none":
+        return returned_at
+    seen: dict[str, tuple[int, Return]] = {}
+    at: dict[int, tuple[str, Return]] = {}
+    for r in returns:
+        for pos, name in enumerate(r.names):
+            if name is None or name not in params or name in explicit:
                 continue
-            for r in returns[1:]:
-                if r.names[pos] != name:
-                    raise _disagree(analysis, first, r)
+            if name in seen and seen[name][0] != pos:
+                raise _disagree(analysis, seen[name][1], r)
+            if pos in at and at[pos][0] != name:  # `return p, ...` here, `return s, ...` there
+                raise _disagree(analysis, at[pos][1], r)
+            seen.setdefault(name, (pos, r))
+            at.setdefault(pos, (name, r))
+    for name, (pos, _) in seen.items():
+        if all(r.names[pos] == name for r in returns):
             returned_at[name] = pos
-        # A parameter returned by name somewhere else in a later return is a disagreement.
-        for r in returns[1:]:
-            for pos, name in enumerate(r.names):
-                if name in returned_at and returned_at[name] != pos:
-                    raise _disagree(analysis, first, r)
-    return returned_at
+    return dict(sorted(returned_at.items(), key=lambda item: item[1]))
 
 
 def assign_roles(

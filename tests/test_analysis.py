@@ -173,10 +173,16 @@ def test_returns_disagree():
         if x > 0:
             return model, x
 
+    def two_names(model, opt, x):  # one parameter here, another there, at one position
+        if x > 0:
+            return model, x
+        return opt, x
+
     msg = _raises(arity, "disagree")
     line = arity.__code__.co_firstlineno
     assert f"line {line + 2} returns (model, x)" in msg and f"line {line + 3} returns model" in msg
     _raises(positions, "disagree")
+    _raises(two_names, "disagree")
     _raises(falls, "returns nothing")
 
 

@@ -856,3 +856,86 @@ def test_a_returned_dict_has_its_values_as_return_positions(k):
     with pytest.raises(autoflat.ShapeError, match=r"where its first call returned a dict with"):
         step(got["params"], got["opt_state"], got["step"], bad)
     np.testing.assert_allclose(autoflat.unwrap(before)["w"], out["params"]["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["method", "module"])
+def test_a_method_steps_array_state_is_matched_at_its_own_place(how):
+    """`def step(self, w, x): return w - self.lr * g, loss` with `w` one array: the instance
+    counted among the parameters that could be state, so `w` was looked for at return
+    position 1 (the loss), left broadcast, and every step of a call restarted from the `w`
+    passed in, silently. Also for an Equinox module passed as the step (`autoflat.step(
+    stepper)`, as `eqx.filter_jit(stepper)`: it was refused as having no source)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Trainer:
+        lr = 0.1
+
+        def step(self, w, x):
+            loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+            return w - self.lr * g, loss
+
+    class Stepper(eqx.Module):
+        lr: float = eqx.field(static=True)
+
+        def __call__(self, w, x):
+            loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+            return w - self.lr * g, loss
+
+    fn = Trainer().step if how == "method" else Stepper(0.1)
+    xs = _batches(8)
+    ref = jax.jit(fn)
+    w, ref_losses = jnp.zeros(3), []
+    for x in xs:
+        w, loss = ref(w, x)
+        ref_losses.append(loss)
+    step = autoflat.step(fn, num_steps=K)
+    w2, losses = jnp.zeros(3), []
+    for start in (0, K):
+        w2, loss = step(w2, xs[start : start + K])
+        losses.append(loss)
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-6)
+    np.testing.assert_allclose(w2, w, rtol=1e-6)
+    assert "# w: state (matched by value to return position 0)" in autoflat.show(step)
+
+
+def test_a_default_never_passed_is_broadcast():
+    """`def step(p, x, *, class_weights=W)` with W of length 4 = num_steps, never passed: it
+    was taken as per-step (its first axis is num_steps) and sliced, a raw IndexError or wrong
+    outputs ([1, 2, 3, 4] for [10, 10, 10, 10]). A default the call does not pass is the same
+    every step, as under jax.jit."""
+    weights = jnp.array([1.0, 2.0, 3.0, 4.0])
+
+    def update(p, x, *, class_weights=weights):
+        p = p - 0.1 * jnp.sum(class_weights * x)
+        return p, jnp.sum(class_weights)
+
+    step = autoflat.step(update, num_steps=K)
+    p, totals = step(jnp.float32(0.0), jnp.ones((K, 4)))
+    np.testing.assert_allclose(totals, [10.0] * K)
+    np.testing.assert_allclose(p, -1.0 * K, rtol=1e-6)  # 0.1 * (1 + 2 + 3 + 4) a step
+    assert "# class_weights: broadcast (its default value, the same every step)" in (
+        autoflat.show(step)
+    )
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_state_returned_by_name_in_one_branch_and_as_a_new_name_in_another(k):
+    """`return p, s, loss` in an early branch and `return new_p, new_s, loss` at the end: it
+    was a SourceError ("the returns disagree"), even with state= given. Matched by value."""
+
+    def update(p, s, x, flag=False):
+        loss = jnp.sum(p * x)
+        if flag:
+            s = s + 1
+            return p - 0.1 * x, s, loss
+        new_p = p - 0.2 * x
+        new_s = s + 1
+        return new_p, new_s, loss
+
+    xs = _batches(8)
+    (rp, rs), routs = _reference(update, (jnp.ones(3), jnp.zeros(())), [xs], 8)
+    step = autoflat.step(update, num_steps=k)
+    (p, s), outs = _run(step, (jnp.ones(3), jnp.zeros(())), [xs], 8, k)
+    np.testing.assert_allclose(p, rp, rtol=1e-6)
+    np.testing.assert_allclose(s, 8.0)
+    assert autoflat.show(step).count("matched by value to return position") == (2 if k > 1 else 0)
