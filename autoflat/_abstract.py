@@ -114,10 +114,11 @@ def flows(
     roles: dict[str, Role],
     num_steps: int,
     split: Callable[[Any], list[Any]],
-) -> list[frozenset[str]]:
+) -> list[tuple[frozenset[str], frozenset[str]]]:
     """For each return position (`split` of one step's value), the parameters its arrays
-    are computed from, read off the step's jaxpr. An over-approximation: every output of an
-    operation counts as computed from all of its inputs."""
+    are computed from, and those whose own arrays are operands of the last operation making
+    them (`p + u`), read off the step's jaxpr. The first is an over-approximation: every
+    output of an operation counts as computed from all of its inputs."""
     parts, call = _one_step_call(fn, params, values, roles, num_steps)
     counts: list[int] = []
 
@@ -140,16 +141,39 @@ def flows(
         v: frozenset({p}) for v, p in zip(jaxpr.invars, owners, strict=True)
     }
     none: frozenset[str] = frozenset()
+    # `root`: values that are a parameter's own leaf, through dtype casts and reshapes;
+    # `direct`: the parameters whose own leaves are operands of the operation making a value
+    # (`p + u` in `optax.apply_updates`).
+    root: dict[Any, str] = dict(zip(jaxpr.invars, owners, strict=True))
+    direct: dict[Any, frozenset[str]] = {}
     for eqn in jaxpr.eqns:
-        found = none.union(*(source.get(v, none) for v in eqn.invars if not hasattr(v, "val")))
+        ins = [v for v in eqn.invars if not hasattr(v, "val")]
+        found = none.union(*(source.get(v, none) for v in ins))
+        near = frozenset(root[v] for v in ins if v in root)
+        through = eqn.primitive.name in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
         for v in eqn.outvars:
             source[v] = found
+            direct[v] = near
+            if through:
+                root[v] = root[ins[0]]
     result = []
     outvars = iter(jaxpr.outvars)
     for n in counts:
-        vs = [next(outvars) for _ in range(n)]
-        result.append(none.union(*(source.get(v, none) for v in vs if not hasattr(v, "val"))))
+        vs = [v for v in (next(outvars) for _ in range(n)) if not hasattr(v, "val")]
+        result.append(
+            (
+                none.union(*(source.get(v, none) for v in vs)),
+                none.union(*(direct.get(v, none) | ({root[v]} if v in root else none) for v in vs)),
+            )
+        )
     return result
+
+
+# Operations that pass a value through (a cast, a copy, a reshape): what they make is still
+# the parameter's own leaf for `flows`.
+_PASS_THROUGH = frozenset(
+    {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
+)
 
 
 def eval_one_step(

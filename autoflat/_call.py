@@ -286,6 +286,9 @@ def _take_state(
             for k, i in enumerate(program.state_idx):
                 if type(args[i]) is LazyHandle and id(args[i]) in others:
                     leaves[k] = copy_leaves(leaves[k])
+            # Its own buffers are not donated then: the handle stays valid after the call,
+            # as under jax.jit (`target = online` kept for a target network).
+            call.donated = [h for h in donated if id(h) not in others]
     return structures, leaves, placements, layouts
 
 

@@ -487,7 +487,7 @@ def _match(
     left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
     if left:
         spots = sorted({pos for p in left for pos in fits[p]})
-        settled = alike(left, spots, fits) if len(spots) >= len(left) else None
+        settled = alike(left, spots, fits)
         if settled is not None:
             matched.update(settled)
         else:
@@ -542,44 +542,50 @@ def _settle_alike(
     fits: dict[str, list[int]],
     *,
     names: tuple[str | None, ...],
-    flow: Callable[[], list[frozenset[str]]],
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
 ) -> dict[str, tuple[int, str]] | None:
-    """Parameters alike (`ema_params, params`; a GAN's two models of one shape) over at least
-    as many positions alike: the one assignment under which each position is computed from
-    its parameter (the step's data flow), else the one whose returned names share most words
-    with the parameters' (`new_ema` and `ema_params`), else None: parameter order is no
-    evidence (`return new_params, new_ema` for `(ema_params, params)` trained silently
-    wrong). Positions left over are per-step outputs."""
-    if len(spots) > 6:
+    """Parameters alike (`ema_params, params`; a GAN's two models of one shape; an online and
+    a target network) over positions alike: of the ways to give the positions to as many
+    parameters, the one under which each position is computed from its parameter (the step's
+    data flow; of several, the one where each position's last operation takes its
+    parameter's own arrays, `online + updates` beside a target network read in the loss),
+    else the one whose returned names share most words with the parameters' (`new_ema` and
+    `ema_params`), else None: parameter order is no evidence (`return new_params, new_ema`
+    for `(ema_params, params)` trained silently wrong). Positions left over are per-step
+    outputs; parameters left over are broadcast."""
+    if len(spots) > 6 or len(left) > 6:
         return None
+    n = min(len(left), len(spots))
     options = [
-        perm
-        for perm in itertools.permutations(spots, len(left))
-        if all(pos in fits[p] for p, pos in zip(left, perm, strict=True))
+        tuple(zip(who, where, strict=True))
+        for who in itertools.permutations(left, n)
+        for where in itertools.combinations(spots, n)
+        if all(pos in fits[p] for p, pos in zip(who, where, strict=True))
     ]
     sources = flow()
-    flowing = [
-        perm
-        for perm in options
-        if all(p in sources[pos] for p, pos in zip(left, perm, strict=True))
-    ]
+    flowing = [a for a in options if all(p in sources[pos][0] for p, pos in a)]
+    if len(flowing) > 1:
+        # Each computed from several: the one where each position's last operation takes
+        # its parameter's own arrays (`online + updates`, beside a target net in the loss).
+        near = [a for a in flowing if all(p in sources[pos][1] for p, pos in a)]
+        flowing = near if len(near) == 1 else flowing
     if len(flowing) == 1:
         return {
             p: (pos, f"matched by value and data flow to return position {pos}")
-            for p, pos in zip(left, flowing[0], strict=True)
+            for p, pos in flowing[0]
         }
 
     def words(name: str | None) -> set[str]:
         return {w for w in (name or "").lower().split("_") if w}
 
-    def shared(perm: tuple[int, ...]) -> int:
-        return sum(len(words(p) & words(names[pos])) for p, pos in zip(left, perm, strict=True))
+    def shared(a: tuple[tuple[str, int], ...]) -> int:
+        return sum(len(words(p) & words(names[pos])) for p, pos in a)
 
-    scored = sorted(((shared(perm), perm) for perm in flowing or options), reverse=True)
+    scored = sorted(((shared(a), a) for a in flowing or options), reverse=True)
     if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):
         return {
             p: (pos, f"matched by value and name to return position {pos}")
-            for p, pos in zip(left, scored[0][1], strict=True)
+            for p, pos in scored[0][1]
         }
     return None
 

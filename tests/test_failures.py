@@ -372,6 +372,11 @@ def test_the_same_handle_as_state_and_as_another_argument():
     s = step({"w": jnp.ones(2)}, {"w": jnp.ones(2)}, jnp.ones(2))
     s2 = step(s, s, jnp.ones(2))  # one handle as the state and as the broadcast reference
     np.testing.assert_allclose(s2["w"], [4.0, 4.0])
+    # Its own buffers went in as a copy, so it stays valid, as under jax.jit (a target
+    # network synced with `target = online`, then read: it raised the consumed error).
+    np.testing.assert_allclose(s["w"], [2.0, 2.0])
+    s3 = step(s2, s, jnp.ones(2))
+    np.testing.assert_allclose(s3["w"], [6.0, 6.0])
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -188,19 +188,25 @@ def test_state_matched_by_value_when_the_first_call_gets_handles(k, pack):
     tree_allclose(opt_state, ro)
 
 
-def test_handle_and_dict_alike_are_ambiguous_as_two_dicts_are():
+def test_handle_and_dict_alike_are_matched_as_two_dicts_are():
+    """Self-distillation: the student and the teacher alike, the new student computed from
+    both. A handle and a dict are matched as two dicts are: by data flow, the student's own
+    arrays being operands of the update (`p - 0.1 * g`), the teacher's not."""
+
     def distill(params, teacher, x):
         grads = jax.grad(lambda p: jnp.sum((p["w"] - teacher["w"] * x) ** 2))(params)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
 
     shift = autoflat.step(lambda_free_shift, num_steps=K)
-    params = shift({"w": jnp.zeros(3)}, jnp.ones((K, 3)))  # a handle
-    step = autoflat.step(distill, num_steps=K)
-    with pytest.raises(
-        autoflat.OptionError, match=r"could be the new value of `params` or `teacher`"
-    ):
-        step(params, {"w": jnp.ones(3)}, jnp.ones((K, 3)))
-    assert float(autoflat.unwrap(params)["w"][0]) == pytest.approx(0.4)  # still usable
+    handle = shift({"w": jnp.zeros(3)}, jnp.ones((K, 3)))
+    results = []
+    for params in (handle, {"w": jnp.full(3, 0.4)}):
+        step = autoflat.step(distill, num_steps=K)
+        results.append(step(params, {"w": jnp.ones(3)}, jnp.ones((K, 3))))
+        shown = autoflat.show(step)
+        assert "# params: state (matched by value and data flow to return position 0)" in shown
+        assert "# teacher: broadcast (no leading axis of num_steps=4 at the first call)" in shown
+    tree_allclose(results[0], results[1])
 
 
 def lambda_free_shift(params, x):
@@ -796,7 +802,7 @@ def test_state_inside_a_returned_dict_is_named_where_it_is():
     out = step({"w": jnp.ones(3)}, jnp.ones((K, 3)))
     np.testing.assert_allclose(out["params"]["w"], [1.0 - 0.1 * K] * 3, rtol=1e-6)
     assert out["ema"]["w"].shape == (K, 3)
-    assert "# params: state (matched by value and name to return key 'params')" in (
+    assert "# params: state (matched by value and data flow to return key 'params')" in (
         autoflat.show(step)
     )
 
@@ -939,3 +945,38 @@ def test_state_returned_by_name_in_one_branch_and_as_a_new_name_in_another(k):
     np.testing.assert_allclose(p, rp, rtol=1e-6)
     np.testing.assert_allclose(s, 8.0)
     assert autoflat.show(step).count("matched by value to return position") == (2 if k > 1 else 0)
+
+
+def test_an_online_network_beside_its_target_alike():
+    """DQN: `(online, target, opt_state, x, y)` returning `optax.apply_updates(online, ...)`,
+    the target read in the loss. The new online network is computed from both, but its last
+    operation takes the online network's own arrays (`p + u`): it was an ambiguity error
+    ("could be the new value of `online` or `target`"). The target stays broadcast."""
+    tx = optax.sgd(0.1)
+
+    def train_step(online, target, opt_state, x, y):
+        tgt = y + 0.5 * (x @ target["w"])
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((x @ p["w"] + p["b"] - jax.lax.stop_gradient(tgt)) ** 2)
+        )(online)
+        updates, opt_state = tx.update(g, opt_state, online)
+        return optax.apply_updates(online, updates), opt_state, loss
+
+    online = {"w": jnp.full((3, 1), 0.1), "b": jnp.zeros(1)}
+    target = {"w": jnp.full((3, 1), 0.3), "b": jnp.zeros(1)}
+    xs, ys = _batches(8, (5, 3)), _batches(8, (5, 1), seed=1)
+    ref = jax.jit(train_step)
+    ro, rs, ref_losses = online, tx.init(online), []
+    for i in range(8):
+        ro, rs, loss = ref(ro, target, rs, xs[i], ys[i])
+        ref_losses.append(loss)
+    step = autoflat.step(train_step, num_steps=K)
+    o, s, losses = online, tx.init(online), []
+    for start in (0, K):
+        o, s, loss = step(o, target, s, xs[start : start + K], ys[start : start + K])
+        losses.append(loss)
+    np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-5)
+    tree_allclose(o, ro)
+    shown = autoflat.show(step)
+    assert "# online: state (matched by value and data flow to return position 0)" in shown
+    assert "# target: broadcast (no leading axis of num_steps=4 at the first call)" in shown
