@@ -93,8 +93,8 @@ class Analysis:
     assigned_lines: tuple[tuple[str, int], ...]
     method_called: frozenset[str]
     # Parameters changed in place by a spelling that mutates a dict or a list but not other
-    # values (`d.update(...)`, `d.pop(k)`, `xs.append(x)`, `d |= ...`): (param, spelling,
-    # line). The first call's types decide (`_infer`): state written back, as `d[k] = ...`.
+    # values (`d.update(...)`, `xs.append(x)`, `d |= ...`): (param, spelling, line). The
+    # first call's types decide (`_infer`): state written back, as `d[k] = ...`.
     in_place: tuple[tuple[str, str, int], ...]
     # Parameters only taken from in place (`batch.pop("labels")`, `del d[k]`), with neither a
     # change above nor a write into them: (param, spelling, line). Such a dict or list is not

@@ -13,10 +13,15 @@ At a step's first call (and again for arguments of other types) `infer` settles 
 - **State by abstract value.** One step is evaluated abstractly (`_abstract`: no compile) and
   each return position that does not return a parameter by name is matched to the parameter
   whose abstract value (tree structure, shapes, dtypes) it equals. A container or module
-  matches at any position, a bare array only at its own parameter's position (so a loss is
-  never taken for a scalar input). One candidate: state. Several: the parameter at the same
-  position, else an error listing them with the `state=` that settles it. A parameter named in
-  `state=` that no position matches is an error: never an old value carried unchanged.
+  matches at any position, a bare array only at its own place among the parameters that can
+  come back through a return (so a loss is never taken for a scalar input; a PRNG key also
+  where nothing else fits). One candidate: state. Several alike: settled by the step's data
+  flow (`flows`), then by names, else an error listing them with the `state=` that settles
+  it. A parameter named in `state=` that no position matches is an error: never an old value
+  carried unchanged. A single `return f(...)` giving a tuple or dict has its items as the
+  positions where data flow says state is among them.
+- **Python numbers at `num_steps > 1`** are static, unless given back changed at their place
+  (a counter `step + 1`): then state, carried as an array.
 - **Python numbers at `num_steps=1`** are traced, as `jax.jit` traces them; one the step needs
   concrete (a layer size) fails the abstract evaluation and is made static instead.
 - **Python scalars in state that a step changes** (`TrainState.step`, counted up from a
@@ -33,6 +38,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -45,12 +51,14 @@ from ._errors import (
     AMBIGUOUS_STATE,
     MIXED_ARGUMENT,
     NNX_NOT_PYTREE,
+    RETURNS_DISAGREE,
     STATE_NOT_MATCHED,
     STATE_POSITION,
     UNHASHABLE_STATIC,
     CallError,
     OptionError,
     ShapeError,
+    SourceError,
     StateError,
     error,
 )
@@ -62,7 +70,16 @@ from ._hazards import (
     refuse_nested_state,
 )
 from ._nnx import opaque_module
-from ._roles import Options, Role, Roles, RunTime, assign_roles, is_mutable_module, returned_by_name
+from ._roles import (
+    Options,
+    Role,
+    Roles,
+    RunTime,
+    assign_roles,
+    is_mutable_module,
+    named_in_some,
+    returned_by_name,
+)
 from ._structure import is_array
 
 _STATIC_SCALARS = (str, bytes, type(None))
@@ -240,50 +257,75 @@ def infer(
         and type(values[p]) in (int, float)
         and for_eval[p] == "static"
     ]
-    if (pending or numbers) and open_positions and first is not None:
+    # Named in some returns, another expression at that position in others (`return p, s,
+    # loss` in a branch, `return new_p, new_s, loss`): that position is its place.
+    partly = {p: pos for p, pos in named_in_some(analysis, options).items() if p not in matched}
+    counters: dict[str, int] = {}
+    if (pending or numbers or partly) and open_positions and first is not None:
         out = evaluate() if out is None else out
         outputs = positions_of(first, out)
-        # The parameters that could be state, in order (a method's instance and those named
-        # broadcast= cannot: counted, a step's `(self, w, x)` put `w` at the second place).
+        for p, pos in partly.items():
+            if not same_value(values[p], outputs[pos]):
+                raise _disagree(analysis, p, pos)
+            matched[p] = (pos, f"returned by name at return position {pos} in some returns")
+        pending = [p for p in pending if p not in matched]
+        open_positions = [pos for pos in open_positions if pos not in partly.values()]
+        # The parameters that could come back through a return, in order: not a method's
+        # instance, those named broadcast=, or state written back into the caller's objects
+        # (counted, a step's `(self, w, x)` put `w` at the second place).
         carried = [
             p
             for p in params
             if for_eval[p] not in ("scanned", "static")
             and p not in options.broadcast
             and p != options.instance
+            and p not in mutable
         ]
 
         def alike(returned: Return) -> Callable[..., dict[str, tuple[int, str]] | None]:
             # Several parameters alike, as many positions: settled by data flow, then names.
-            flow = functools.cache(
+            return functools.partial(_settle_alike, names=returned.names, flow=flow_of(returned))
+
+        def flow_of(returned: Return) -> Callable[[], Any]:
+            return functools.cache(
                 lambda: flows(
                     fn, params, values, for_eval, num_steps, lambda o: positions_of(returned, o)
                 )
             )
-            return functools.partial(_settle_alike, names=returned.names, flow=flow)
 
-        by_value = _match(
-            analysis, params, values, pending, open_positions, outputs, declared,
-            _places(carried, first), alike(first),
-        )  # fmt: skip
-        if not by_value and first.kind == "single" and _unpackable(out):
+        def settle(returned: Return, outs: list[Any], positions: list[int]) -> Any:
+            # Python counters first (they take a place among the parameters only if carried),
+            # then the candidates by value.
+            places = _places([p for p in params if p in carried or p in numbers], returned)
+            found = _counters(numbers, values, positions, outs, places)
+            left = [pos for pos in positions if pos not in found.values()]
+            places = _places([p for p in params if p in carried or p in found], returned)
+            by_value = _match(
+                analysis, params, values, pending, left, outs, declared, places, alike(returned)
+            )
+            return found, by_value
+
+        counters, by_value = settle(first, outputs, open_positions)
+        if not (counters or by_value) and first.kind == "single" and _unpackable(out):
             # `return update(params, opt_state, batch)`, `return {"params": ..., ...}`: no
-            # parameter is the whole value, so its items are the return positions, as if the
-            # step returned them one by one.
+            # parameter is the whole value, so its items may be the return positions, as if
+            # the step returned them one by one; only where the step's data flow says so
+            # (some item's last operation takes its parameter's own arrays, `p + u`), not for
+            # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params.
             each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out))
             if isinstance(out, dict):
                 names = tuple(k if isinstance(k, str) else None for k in out)
                 each = dataclasses.replace(each, names=names, keys=tuple(out))
             contents = positions_of(each, out)
             items = list(range(len(contents)))
-            by_value = _match(
-                analysis, params, values, pending, items, contents, declared,
-                _places(carried, each), alike(each),
-            )  # fmt: skip
-            if by_value:
-                unpacked, first = len(contents), each
+            found, by_value = settle(each, contents, items)
+            direct = flow_of(each)() if by_value else []
+            if any(p in direct[pos][1] for p, (pos, _) in by_value.items()):
+                counters, unpacked, first = found, len(contents), each
                 keys = each.keys
                 open_positions, outputs = items, contents
+            else:
+                by_value = {}
         matched.update(by_value)
     else:
         outputs = None
@@ -292,16 +334,13 @@ def infer(
         check_state_at(analysis, values, state_at, positions_of(first, out))
     if num_steps > 1 and outputs and first is not None:
         refuse_nested_state(analysis, values, pending, matched, open_positions, outputs, num_steps)
-        counters = _counters(
-            params, carried, numbers, values, matched, open_positions, outputs, first
+    for p, pos in counters.items():
+        matched[p] = (
+            pos,
+            f"a Python {type(values[p]).__name__} that return position {pos} gives back "
+            "changed: carried as an array",
         )
-        for p, pos in counters.items():
-            matched[p] = (
-                pos,
-                f"a Python {type(values[p]).__name__} that return position {pos} gives back "
-                "changed: carried as an array",
-            )
-            for_eval[p] = "state"
+        for_eval[p] = "state"
     if num_steps > 1 and first is not None and first.kind != "none":
         out = check_per_step_returned(
             analysis, fn, params, values, kinds, for_eval, options, matched, open_positions,
@@ -327,7 +366,7 @@ def infer(
         )
     if keys:  # a returned dict's positions are its keys
         matched = {
-            p: (pos, why.replace(f"return position {pos}", f"return key {keys[pos]!r}"))
+            p: (pos, re.sub(rf"return position {pos}\b", f"return key {keys[pos]!r}", why))
             for p, (pos, why) in matched.items()
         }
     run_kinds = tuple((p, role, why) for p, (role, why) in kinds.items() if p not in matched)
@@ -460,10 +499,12 @@ def _match(
             and same_value(values[p], outputs[pos])
         ]
     # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
-    # matched where no other candidate fits.
-    fitted = {pos for ps in fits.values() for pos in ps}
-    for p in candidates:
-        if not fits[p] and _is_key(values[p]):
+    # matched where no other candidate fits. Several keys: each at any position its value
+    # fits, settled below by data flow (the rank put `noise_rng` on `new_dropout_rng`).
+    keys = [p for p in candidates if _is_key(values[p])]
+    fitted = {pos for p, ps in fits.items() if p not in keys for pos in ps}
+    for p in keys:
+        if len(keys) > 1 or not fits[p]:
             fits[p] = [
                 pos
                 for pos in positions
@@ -508,30 +549,25 @@ def _match(
 
 
 def _counters(
-    params: tuple[str, ...],
-    carried: list[str],
     numbers: list[str],
     values: dict[str, Any],
-    matched: dict[str, tuple[int, str]],
     positions: list[int],
     outputs: list[Any],
-    returned: Return,
+    places: dict[str, int],
 ) -> dict[str, int]:
     """With num_steps > 1, Python numbers the step gives back changed at their place among
     the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
     counter or a decayed rate, carried as an array. Left static (as other Python numbers),
-    every step of a call saw the first value, silently. Only a Python number at that place
-    counts: an array there (a loss) says nothing about a static `num_classes`."""
-    place = _places([p for p in params if p in numbers or p in carried], returned)
-    taken = {pos for pos, _ in matched.values()}
+    every step of a call saw the first value, silently. Only a Python number of the same
+    type at that place counts: an array there (a loss) says nothing about a static
+    `num_classes`, nor a constant `0` about a float rate."""
     found = {}
     for p in numbers:
-        pos = place.get(p, -1)
-        if pos not in positions or pos in taken or p in matched:
+        pos = places.get(p, -1)
+        if pos not in positions:
             continue
-        # A Python number computed from it, not an array (a loss at that place is one).
         out = outputs[pos]
-        if type(out) in (int, float) and out != values[p]:
+        if type(out) is type(values[p]) and out != values[p]:
             found[p] = pos
     return found
 
@@ -604,6 +640,16 @@ def _defaulted(fn: Callable[..., Any], values: dict[str, Any]) -> set[str]:
         and values[p.name] is p.default
         and jax.tree_util.tree_leaves(p.default)
     }
+
+
+def _disagree(analysis: Analysis, p: str, pos: int) -> Exception:
+    """`p` returned by name at `pos` in some returns, and something else there in others."""
+    returns = analysis.returns
+    named = next(r for r in returns if pos < len(r.names) and r.names[pos] == p)
+    other = next(r for r in returns if pos < len(r.names) and r.names[pos] != p)
+    return error(
+        SourceError, RETURNS_DISAGREE, analysis, first=named.describe(), second=other.describe()
+    )
 
 
 def _places(carried: list[str], returned: Return) -> dict[str, int]:

@@ -180,6 +180,21 @@ def returned_by_name(analysis: Analysis, options: Options) -> dict[str, int]:
     return dict(sorted(returned_at.items(), key=lambda item: item[1]))
 
 
+def named_in_some(analysis: Analysis, options: Options) -> dict[str, int]:
+    """Parameters some returns give back by name at a position where others return another
+    expression (`returned_by_name` leaves them out): that position, their place."""
+    returned = returned_by_name(analysis, options)
+    explicit = options.broadcast | options.static | options.per_step | {options.instance}
+    found: dict[str, int] = {}
+    for r in analysis.returns:
+        if r.kind == "none":
+            continue
+        for pos, name in enumerate(r.names):
+            if name in analysis.param_names and name not in explicit and name not in returned:
+                found.setdefault(name, pos)
+    return found
+
+
 def assign_roles(
     analysis: Analysis,
     options: Options,

@@ -201,11 +201,20 @@ def is_explicit(sharding: Any) -> bool:
     sharding is part of the array's type, `with_sharding_constraint` only asserts it, and
     `jax.sharding.reshard` moves an array to it."""
     explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    return (
-        explicit is not None
-        and isinstance(sharding, jax.sharding.NamedSharding)
-        and explicit in tuple(getattr(sharding.mesh, "axis_types", ()))
+    if explicit is None or not isinstance(sharding, jax.sharding.NamedSharding):
+        return False
+    types = dict(
+        zip(sharding.mesh.axis_names, getattr(sharding.mesh, "axis_types", ()), strict=False)
     )
+    if explicit not in types.values():
+        return False
+    # On a mesh mixing explicit and automatic axes, a spec naming an automatic axis is not
+    # in the type (`reshard` refuses it): pinned with `with_sharding_constraint`, as before.
+    named = [
+        a for entry in sharding.spec if entry is not None
+        for a in (entry if isinstance(entry, tuple) else (entry,))
+    ]  # fmt: skip
+    return all(types.get(a) == explicit for a in named)
 
 
 def pinned(x: Any, sharding: Any) -> Any:

@@ -736,7 +736,7 @@ def test_a_reused_key_beside_a_carried_one_stays_broadcast():
     step = autoflat.step(update, num_steps=K)
     params, key, loss = step(jnp.zeros(()), jax.random.key(0), jax.random.key(1), _batches(K))
     shown = autoflat.show(step)
-    assert "# key: state (matched by value to return position 1)" in shown
+    assert "# key: state (matched by value and data flow to return position 1)" in shown
     assert "# eval_key: broadcast (no leading axis of num_steps=4 at the first call)" in shown
 
 
@@ -944,7 +944,34 @@ def test_state_returned_by_name_in_one_branch_and_as_a_new_name_in_another(k):
     (p, s), outs = _run(step, (jnp.ones(3), jnp.zeros(())), [xs], 8, k)
     np.testing.assert_allclose(p, rp, rtol=1e-6)
     np.testing.assert_allclose(s, 8.0)
-    assert autoflat.show(step).count("matched by value to return position") == (2 if k > 1 else 0)
+    shown = autoflat.show(step)
+    if k > 1:
+        assert "# p: state (matched by value to return position 0)" in shown
+    assert "# s: state (returned by name at return position 1 in some returns)" in shown
+
+    def scaled(scale, w, x, frozen=False):  # `w` named at position 0, not at its rank (1)
+        if frozen:
+            return w, jnp.sum(x)
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - scale * g, loss
+
+    ref = jax.jit(scaled, static_argnames="frozen")
+    rw = jnp.zeros(3)
+    for i in range(8):
+        rw, _ = ref(0.1, rw, xs[i])
+    step = autoflat.step(scaled, num_steps=k)
+    w = jnp.zeros(3)
+    for start in range(0, 8, k):
+        w, _ = step(0.1, w, xs[start : start + k] if k > 1 else xs[start])
+    np.testing.assert_allclose(w, rw, rtol=1e-5)
+
+    def disagree(p, x, flag=False):  # named at 0 here, a value unlike `p` there
+        if flag:
+            return p, jnp.sum(x)
+        return jnp.sum(x), p
+
+    with pytest.raises(autoflat.SourceError, match="disagree"):
+        autoflat.step(disagree, num_steps=k)(jnp.ones(3), xs[:k] if k > 1 else xs[0])
 
 
 def test_an_online_network_beside_its_target_alike():
@@ -980,3 +1007,93 @@ def test_an_online_network_beside_its_target_alike():
     shown = autoflat.show(step)
     assert "# online: state (matched by value and data flow to return position 0)" in shown
     assert "# target: broadcast (no leading axis of num_steps=4 at the first call)" in shown
+
+
+def test_review_cases_of_matching_by_value():
+    """Cases where matching by value went wrong or now could (each at num_steps=4 against
+    `jax.jit`, or the error that says what to declare):
+
+    - `return jax.value_and_grad(loss)(params, x)`: the gradients look like `params`; the
+      tuple is not unpacked without data flow saying so (no item's last operation takes
+      `params`'s own arrays): the nested-state error, not gradients carried as params;
+    - `(w, lr, b, x)` returning `w - lr * gw, lr * 0.5, b - lr * gb`: the carried `lr` takes
+      position 1, `b` its place at 2 (it was looked for at 1 and left broadcast);
+    - `(w, lr, x)` returning `w - lr * g, 0`: a constant `0` is not a new value of a float
+      `lr`, which stays static;
+    - two keys, `return new, loss, new_dropout, new_noise`: each key to the position
+      computed from it (the rank put `noise_rng` on the new dropout key);
+    - `(totals, w, x)` with `totals.update(...)` written back, returning `w - 0.1 * g, loss`:
+      `totals` takes no return place, so `w` is found at position 0."""
+
+    def loss_fn(p, x):
+        return jnp.sum((p["w"] * x - 1.0) ** 2)
+
+    def grad_step(params, x):
+        return jax.value_and_grad(loss_fn)(params, x)
+
+    with pytest.raises(autoflat.OptionError, match=r"comes back inside return position 0"):
+        autoflat.step(grad_step, num_steps=K)({"w": jnp.arange(3.0)}, jnp.ones((K, 3)))
+
+    def decaying(w, lr, b, x):
+        gw, gb = jax.grad(lambda w, b: jnp.sum((w * x + b - 1.0) ** 2), argnums=(0, 1))(w, b)
+        return w - lr * gw, lr * 0.5, b - lr * gb
+
+    def constant(w, lr, x):
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr * g, 0
+
+    def two_keys(params, dropout_rng, noise_rng, x):
+        new_d, d = jax.random.split(dropout_rng)
+        new_n, n = jax.random.split(noise_rng)
+        new = {"w": params["w"] + 0.1 * jax.random.normal(d, (3,)) + x}
+        return new, jnp.sum(jax.random.normal(n, (3,))), new_d, new_n
+
+    xs = _batches(2 * K)
+    cases = [
+        (decaying, (jnp.zeros(3), 0.1, jnp.zeros(())), 3),
+        (constant, (jnp.zeros(3), 0.1), 1),
+        (two_keys, ({"w": jnp.zeros(3)}, jax.random.key(1), jax.random.key(2)), 1),
+    ]
+    for fn, start, n_state in cases:
+        ref = jax.jit(fn)
+        state, ref_outs = start, []
+        for x in xs:
+            out = ref(*state, x)
+            if fn is constant:
+                state, ref_outs = (out[0], state[1]), [*ref_outs, out[1]]
+            elif fn is two_keys:
+                state, ref_outs = (out[0], out[2], out[3]), [*ref_outs, out[1]]
+            else:
+                state = out
+        step = autoflat.step(fn, num_steps=K)
+        got, outs = start, []
+        for c in range(2):
+            out = step(*got, xs[K * c : K * (c + 1)])
+            if fn is constant:
+                got, outs = (out[0], got[1]), [*outs, *out[1]]
+            elif fn is two_keys:
+                got, outs = (out[0], out[2], out[3]), [*outs, *out[1]]
+            else:
+                got = out
+        for a, b in zip(got[:n_state], state[:n_state], strict=True):
+            if isinstance(b, jax.Array) and jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+                np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
+            else:
+                tree_allclose(a, b)
+        if outs:
+            np.testing.assert_allclose(jnp.stack(outs), jnp.stack(ref_outs), rtol=1e-5)
+        if fn is constant:
+            assert "# lr: static (a Python float" in autoflat.show(step)
+
+    def counted(totals, w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        totals.update(n=totals["n"] + 1)
+        return w - 0.1 * g, loss
+
+    totals = {"n": jnp.array(0)}
+    w, losses = autoflat.step(counted, num_steps=K)(totals, jnp.zeros(3), jnp.ones((K, 3)))
+    assert w.shape == (3,) and int(totals["n"]) == K
+    rw = jnp.zeros(3)
+    for _ in range(K):
+        rw = rw - 0.1 * jax.grad(lambda w: jnp.sum((w - 1.0) ** 2))(rw)
+    np.testing.assert_allclose(w, rw, rtol=1e-6)
