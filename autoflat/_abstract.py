@@ -107,6 +107,14 @@ def _one_step_call(
     return parts, call
 
 
+def _arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
+    """One value per parameter: rebuilt from its (abstract) arrays, or a static one as is."""
+    return [
+        value if rebuild is None else rebuild(a)
+        for (rebuild, value), a in zip(parts, arrays, strict=True)
+    ]
+
+
 def flows(
     fn: Callable[..., Any],
     params: tuple[str, ...],
@@ -123,10 +131,7 @@ def flows(
     counts: list[int] = []
 
     def one_step(arrays: list[list[Any]]) -> Any:
-        args = [
-            value if rebuild is None else rebuild(a)
-            for (rebuild, value), a in zip(parts, arrays, strict=True)
-        ]
+        args = _arguments(parts, arrays)
         outs = []
         for item in split(call(args)):
             traced = [x for x in jax.tree_util.tree_leaves(item) if isinstance(x, jax.core.Tracer)]
@@ -191,10 +196,7 @@ def eval_one_step(
     found: dict[str, Any] = {}
 
     def one_step(arrays: list[list[Any]]) -> Any:
-        args = [
-            value if rebuild is None else rebuild(a)
-            for (rebuild, value), a in zip(parts, arrays, strict=True)
-        ]
+        args = _arguments(parts, arrays)
         # Only traced values leave the evaluation; the rest (Python values, constants) are
         # kept as they are, so a Python scalar returned unchanged stays one.
         leaves, treedef = jax.tree_util.tree_flatten(call(args))

@@ -1,0 +1,217 @@
+"""State by abstract value (`_infer`'s stage 2 at the first call): which return position gives
+back which parameter.
+
+`match` pairs candidate parameters with return positions whose abstract value (tree
+structure, shapes, dtypes) equals theirs: a container anywhere, a bare array only at its own
+place among the parameters that can come back through a return (`places`), a PRNG key also
+where nothing else fits (`is_key`). Parameters alike are settled by the step's data flow,
+then by names (`settle_alike`); Python numbers given back changed at their place are
+counters (`counters`). A single `return f(...)` giving a tuple or a dict can be taken item
+by item (`unpackable`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._abstract import same_value
+from ._analysis import Analysis, Return
+from ._errors import AMBIGUOUS_STATE, RETURNS_DISAGREE, OptionError, SourceError, error
+from ._structure import is_array
+
+
+def match(
+    analysis: Analysis,
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    candidates: list[str],
+    positions: list[int],
+    outputs: list[Any],
+    declared: set[str],
+    place: dict[str, int],
+    alike: Callable[..., dict[str, tuple[int, str]] | None],
+) -> dict[str, tuple[int, str]]:
+    """Return positions matched to candidate parameters by abstract value.
+
+    `place` (`_places`) gives the parameters that could be state their own return position:
+    a bare array may only match there, so a scalar loss is never taken for a scalar input.
+    `alike(left, spots, fits)` settles several parameters alike over as many positions
+    (`settle_alike`), or returns None."""
+    if not outputs:
+        return {}
+    fits: dict[str, list[int]] = {}
+    for p in candidates:
+        bare = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
+        fits[p] = [
+            pos
+            for pos in positions
+            if (not bare or p in declared or pos == place.get(p))
+            and same_value(values[p], outputs[pos])
+        ]
+    # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
+    # matched where no other candidate fits. Several keys: each at any position its value
+    # fits, settled below by data flow (the rank put `noise_rng` on `new_dropout_rng`).
+    keys = [p for p in candidates if is_key(values[p])]
+    fitted = {pos for p, ps in fits.items() if p not in keys for pos in ps}
+    for p in keys:
+        if len(keys) > 1 or not fits[p]:
+            fits[p] = [
+                pos
+                for pos in positions
+                if pos not in fitted and same_value(values[p], outputs[pos])
+            ]
+    matched: dict[str, tuple[int, str]] = {}
+    # One parameter for one position: settled. Repeat while that frees others.
+    changed = True
+    while changed:
+        changed = False
+        for p, ps in fits.items():
+            if p in matched or len(ps) != 1:
+                continue
+            others = [q for q, qs in fits.items() if q != p and q not in matched and ps[0] in qs]
+            if not others:
+                matched[p] = (ps[0], f"matched by value to return position {ps[0]}")
+                for q in fits:
+                    if q not in matched:
+                        fits[q] = [pos for pos in fits[q] if pos != ps[0]]
+                changed = True
+    left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
+    if left:
+        spots = sorted({pos for p in left for pos in fits[p]})
+        settled = alike(left, spots, fits)
+        if settled is not None:
+            matched.update(settled)
+        else:
+            names = ", ".join(f"`{q}`" for q in left)
+            if len(spots) == 1:
+                either = " or ".join(f"`{q}`" for q in left)
+                what = f"return position {spots[0]} could be the new value of {either}"
+            elif len(left) == 1:
+                what = f"return positions {', '.join(map(str, spots))} each look like {names}"
+            else:
+                what = (
+                    f"return positions {', '.join(map(str, spots))} could each be the new "
+                    f"value of {names}"
+                )
+            example = ", ".join(f'"{q}": <position>' for q in left)
+            raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
+    return matched
+
+
+def counters(
+    numbers: list[str],
+    values: dict[str, Any],
+    positions: list[int],
+    outputs: list[Any],
+    places: dict[str, int],
+) -> dict[str, int]:
+    """With num_steps > 1, Python numbers the step gives back changed at their place among
+    the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
+    counter or a decayed rate, carried as an array. Left static (as other Python numbers),
+    every step of a call saw the first value, silently. Only a Python number of the same
+    type at that place counts: an array there (a loss) says nothing about a static
+    `num_classes`, nor a constant `0` about a float rate."""
+    found = {}
+    for p in numbers:
+        pos = places.get(p, -1)
+        if pos not in positions:
+            continue
+        out = outputs[pos]
+        if type(out) is type(values[p]) and out != values[p]:
+            found[p] = pos
+    return found
+
+
+def settle_alike(
+    left: list[str],
+    spots: list[int],
+    fits: dict[str, list[int]],
+    *,
+    names: tuple[str | None, ...],
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+) -> dict[str, tuple[int, str]] | None:
+    """Parameters alike (`ema_params, params`; a GAN's two models of one shape; an online and
+    a target network) over positions alike: of the ways to give the positions to as many
+    parameters, the one under which each position is computed from its parameter (the step's
+    data flow; of several, the one where each position's last operation takes its
+    parameter's own arrays, `online + updates` beside a target network read in the loss),
+    else the one whose returned names share most words with the parameters' (`new_ema` and
+    `ema_params`), else None: parameter order is no evidence (`return new_params, new_ema`
+    for `(ema_params, params)` trained silently wrong). Positions left over are per-step
+    outputs; parameters left over are broadcast."""
+    if len(spots) > 6 or len(left) > 6:
+        return None
+    n = min(len(left), len(spots))
+    options = [
+        tuple(zip(who, where, strict=True))
+        for who in itertools.permutations(left, n)
+        for where in itertools.combinations(spots, n)
+        if all(pos in fits[p] for p, pos in zip(who, where, strict=True))
+    ]
+    sources = flow()
+    flowing = [a for a in options if all(p in sources[pos][0] for p, pos in a)]
+    if len(flowing) > 1:
+        # Each computed from several: the one where each position's last operation takes
+        # its parameter's own arrays (`online + updates`, beside a target net in the loss).
+        near = [a for a in flowing if all(p in sources[pos][1] for p, pos in a)]
+        flowing = near if len(near) == 1 else flowing
+    if len(flowing) == 1:
+        return {
+            p: (pos, f"matched by value and data flow to return position {pos}")
+            for p, pos in flowing[0]
+        }
+
+    def words(name: str | None) -> set[str]:
+        return {w for w in (name or "").lower().split("_") if w}
+
+    def shared(a: tuple[tuple[str, int], ...]) -> int:
+        return sum(len(words(p) & words(names[pos])) for p, pos in a)
+
+    scored = sorted(((shared(a), a) for a in flowing or options), reverse=True)
+    if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):
+        return {
+            p: (pos, f"matched by value and name to return position {pos}")
+            for p, pos in scored[0][1]
+        }
+    return None
+
+
+def disagree(analysis: Analysis, p: str, pos: int) -> Exception:
+    """`p` returned by name at `pos` in some returns, and something else there in others."""
+    returns = analysis.returns
+    named = next(r for r in returns if pos < len(r.names) and r.names[pos] == p)
+    other = next(r for r in returns if pos < len(r.names) and r.names[pos] != p)
+    return error(
+        SourceError, RETURNS_DISAGREE, analysis, first=named.describe(), second=other.describe()
+    )
+
+
+def places(carried: list[str], returned: Return) -> dict[str, int]:
+    """Each parameter that could be state, in order, with its own return position: its rank
+    among them, or for a returned dict the key that is its name (`"step": step + 1`)."""
+    if returned.keys:
+        return {p: returned.keys.index(p) for p in carried if p in returned.keys}
+    return {p: i for i, p in enumerate(carried)}
+
+
+def unpackable(out: Any) -> bool:
+    """A tuple, or a dict keyed by strings or ints (keys the generated code can spell)."""
+    if type(out) is tuple:
+        return True
+    return type(out) is dict and all(type(k) in (str, int) for k in out)
+
+
+def is_key(value: Any) -> bool:
+    """A PRNG key (a typed key, or a raw `uint32[2]` one): a carried key returned at another
+    position (`return state, metrics, new_dropout_rng`) is matched wherever it is."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not is_array(value):
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.uint32 and np.shape(value) == (2,)
