@@ -61,6 +61,10 @@ class Return:
     # Set by the first call (`_infer`) for one expression that gave a dict whose values are
     # the return positions (`return {"params": ..., "loss": ...}`): its keys, in that order.
     keys: tuple[Any, ...] = ()
+    # Positions that return gradients: a name only ever bound to what `jax.grad(f)(...)` or
+    # its kin give (`loss, grads = jax.value_and_grad(f)(params, x)`), or such a call. Never
+    # a parameter's new value, however alike their abstract values.
+    gradients: frozenset[int] = frozenset()
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -143,19 +147,34 @@ def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
     return tuple(params), variadic
 
 
-def _describe_return(node: cst.Return, line: int) -> Return:
+def _describe_return(node: cst.Return, line: int, visitor: Visitor) -> Return:
     value = node.value
     if value is None or (isinstance(value, cst.Name) and value.value == "None"):
         return Return(line, "none", ())
+    gradients = visitor.gradients()
+
+    def is_gradient(el: cst.BaseExpression) -> bool:
+        if isinstance(el, cst.Name):
+            return el.value in gradients
+        return visitor.derivative(el) == (False, False)  # `jax.grad(f)(params, x)`
+
     if isinstance(value, cst.Tuple):
         names: list[str | None] = []
-        for el in value.elements:
+        grads = []
+        for i, el in enumerate(value.elements):
             if isinstance(el, cst.StarredElement):
                 names.append(None)
             else:
                 names.append(el.value.value if isinstance(el.value, cst.Name) else None)
-        return Return(line, "tuple", tuple(names))
-    return Return(line, "single", (value.value if isinstance(value, cst.Name) else None,))
+                if is_gradient(el.value):
+                    grads.append(i)
+        return Return(line, "tuple", tuple(names), gradients=frozenset(grads))
+    return Return(
+        line,
+        "single",
+        (value.value if isinstance(value, cst.Name) else None,),
+        gradients=frozenset({0}) if is_gradient(value) else frozenset(),
+    )
 
 
 def _falls_through(body: cst.BaseSuite) -> bool:
@@ -304,7 +323,9 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
             advice=UNSUPPORTED_ADVICE[construct],
         )
 
-    returns = tuple(_describe_return(node, line + line_offset) for node, line in visitor.returns)
+    returns = tuple(
+        _describe_return(node, line + line_offset, visitor) for node, line in visitor.returns
+    )
     falls = _falls_through(funcdef.body)
     body_last = positions[funcdef].end.line + line_offset
     if falls:

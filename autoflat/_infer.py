@@ -225,7 +225,9 @@ def infer(
             set(state_at.values()) == {0} and all(same_value(values[p], out) for p in state_at)
         ):
             unpacked = len(out)
-            first = dataclasses.replace(first, kind="tuple", names=(None,) * unpacked)
+            first = dataclasses.replace(
+                first, kind="tuple", names=(None,) * unpacked, gradients=frozenset()
+            )
     arity = 0 if first is None or first.kind == "none" else len(first.names)
     for p, pos in state_at.items():
         if pos >= arity:
@@ -242,7 +244,10 @@ def infer(
         matched[p] = (pos, f"state= at return position {pos}")
     open_positions = []
     if first is not None and first.kind != "none":
+        # Gradients (`return loss, grads` after `jax.value_and_grad`) are no parameter's new
+        # value: at num_steps > 1 carrying them as params trained on the gradients.
         taken = set(returned_at.values()) | set(state_at.values())
+        taken |= {pos for r in analysis.returns for pos in r.gradients}
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
     # Python numbers static with num_steps > 1, which a return may give back changed.
@@ -311,7 +316,9 @@ def infer(
             # the step returned them one by one; only where the step's data flow says so
             # (some item's last operation takes its parameter's own arrays, `p + u`), not for
             # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params.
-            each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out))
+            each = dataclasses.replace(
+                first, kind="tuple", names=(None,) * len(out), gradients=frozenset()
+            )
             if isinstance(out, dict):
                 names = tuple(k if isinstance(k, str) else None for k in out)
                 each = dataclasses.replace(each, names=names, keys=tuple(out))

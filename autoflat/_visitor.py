@@ -3,7 +3,8 @@
 It collects what the function's own scope does (its `return` statements, and the constructs
 refused: `yield`, `async`/`await`, `global`, `nonlocal`), what the body does to the
 parameters anywhere in it (writes into them, method calls on them, in-place changes of a dict
-or a list, attributes read off them) and every name it uses.
+or a list, attributes read off them) and every name it uses, and which names of its own scope
+hold only gradients (`loss, grads = jax.value_and_grad(f)(params, x)`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,51 @@ _IN_PLACE_METHODS = frozenset(
 # Methods that only take entries out of a dict or a list (`batch.pop("labels")`).
 _REMOVING_METHODS = frozenset({"pop", "popitem", "clear", "remove", "__delitem__"})
 
+# Transformations whose function gives derivatives: `jax.grad(f)(params, x)` is never a
+# parameter's new value, however alike their abstract values. A bare name (`from jax import
+# grad`) counts only where it is called as a transformation, `grad(f)(...)`.
+_DERIVATIVES = frozenset({"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"})
+_DERIVATIVE_MODULES = frozenset({"jax", "eqx", "equinox", "nnx", "flax"})
+
+
+def _dotted(node: cst.BaseExpression) -> list[str]:
+    parts = []
+    while isinstance(node, cst.Attribute):
+        parts.append(node.attr.value)
+        node = node.value
+    if not isinstance(node, cst.Name):
+        return []
+    return [node.value, *reversed(parts)]
+
+
+def _transformation(node: cst.BaseExpression) -> tuple[bool, bool] | None:
+    """(gives the value too, has_aux) if `node` is `jax.grad(f, ...)` or one of its kin."""
+    if not isinstance(node, cst.Call):
+        return None
+    name = _dotted(node.func)
+    if not name or name[-1] not in _DERIVATIVES:
+        return None
+    if len(name) > 1 and name[0] not in _DERIVATIVE_MODULES:
+        return None
+    aux = any(
+        a.keyword is not None
+        and a.keyword.value == "has_aux"
+        and not (isinstance(a.value, cst.Name) and a.value.value == "False")
+        for a in node.args
+    )
+    return "value" in name[-1], aux
+
+
+def _gradient_targets(target: cst.BaseExpression, value: bool, aux: bool) -> cst.BaseExpression:
+    """The part of an assignment's target that receives the gradients of a call of a
+    transformation (`value`: it gives `(value, grads)`; `aux`: `grads` is `(grads, aux)`, or
+    for `value_and_grad` the value is `(value, aux)`)."""
+    if value or aux:
+        if not isinstance(target, (cst.Tuple, cst.List)) or len(target.elements) != 2:
+            return cst.Tuple([])
+        return target.elements[1 if value else 0].value
+    return target
+
 
 class Visitor(cst.CSTVisitor):
     """Collects what the function's own scope does, and the writes and method calls on its
@@ -59,6 +105,11 @@ class Visitor(cst.CSTVisitor):
         self.attribute_reads: set[tuple[str, str]] = set()
         self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
+        # Names of the own scope: bound to a transformation (`grad_fn = jax.grad(f)`), bound
+        # to gradients, bound otherwise. `gradients()` gives those only ever gradients.
+        self.transformations: dict[str, tuple[bool, bool]] = {}
+        self.gradient_names: set[str] = set()
+        self.other_names: set[str] = {p.name.value for p in self.params}
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(meta.PositionProvider, node).start.line
@@ -69,6 +120,33 @@ class Visitor(cst.CSTVisitor):
         while isinstance(scope, meta.ComprehensionScope):
             scope = scope.parent
         return scope is not None and scope is self.scope
+
+    def derivative(self, node: cst.BaseExpression) -> tuple[bool, bool] | None:
+        """(gives the value too, has_aux) if `node` calls a transformation's function:
+        `jax.grad(f)(p, x)`, or `grad_fn(p, x)` after `grad_fn = jax.value_and_grad(f)`."""
+        if not isinstance(node, cst.Call):
+            return None
+        if isinstance(node.func, cst.Name) and node.func.value in self.transformations:
+            return self.transformations[node.func.value]
+        return _transformation(node.func)
+
+    def gradients(self) -> frozenset[str]:
+        """The names of the own scope that every binding binds to gradients."""
+        return frozenset(self.gradient_names - self.other_names)
+
+    def _bind(self, target: cst.BaseExpression, into: set[str]) -> None:
+        if isinstance(target, cst.Name):
+            into.add(target.value)
+        elif isinstance(target, (cst.Tuple, cst.List)):
+            for el in target.elements:
+                self._bind(el.value, into)
+        elif isinstance(target, cst.StarredElement):
+            self._bind(target.value, into)
+
+    def _bound(self, node: cst.CSTNode, target: cst.BaseExpression) -> None:
+        """Names bound in the own scope by `target`, otherwise than to gradients."""
+        if self._own(node):
+            self._bind(target, self.other_names)
 
     def _parameter(self, node: cst.BaseExpression) -> str | None:
         """The parameter that the attribute/subscript chain `node` starts from, if any."""
@@ -92,6 +170,15 @@ class Visitor(cst.CSTVisitor):
             self.scope = self.get_metadata(meta.ScopeProvider, node.body)
             if node.asynchronous is not None:
                 self.unsupported.append(("async", self._line(node)))
+        else:
+            self._bound(node, node.name)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._bound(node, node.name)
+
+    def visit_ExceptHandler(self, node: cst.ExceptHandler) -> None:
+        if node.name is not None:
+            self._bound(node, node.name.name)
 
     def visit_Return(self, node: cst.Return) -> None:
         if self._own(node):
@@ -131,12 +218,32 @@ class Visitor(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._target(t.target, self._line(node))
+        if not self._own(node):
+            return
+        made = _transformation(node.value)
+        derivative = self.derivative(node.value)
+        for t in node.targets:
+            if made is not None and isinstance(t.target, cst.Name):
+                self.transformations[t.target.value] = made
+                self.other_names.add(t.target.value)
+            elif derivative is not None:
+                grads = _gradient_targets(t.target, *derivative)
+                self._bind(grads, self.gradient_names)
+                names: set[str] = set()
+                self._bind(t.target, names)
+                inner: set[str] = set()
+                self._bind(grads, inner)
+                self.other_names |= names - inner
+            else:
+                self._bind(t.target, self.other_names)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         self._target(node.target, self._line(node))
+        self._bound(node, node.target)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
         self._target(node.target, self._line(node))
+        self._bound(node, node.target)
         if isinstance(node.target, cst.Name):
             param = self._parameter(node.target)
             if param is not None:
@@ -155,13 +262,16 @@ class Visitor(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:
         self._target(node.target, self._line(node))
+        self._bound(node, node.target)
 
     def visit_WithItem(self, node: cst.WithItem) -> None:
         if node.asname is not None:
             self._target(node.asname.name, self._line(node))
+            self._bound(node, node.asname.name)
 
     def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
         self._target(node.target, self._line(node))
+        self._bound(node, node.target)
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         if isinstance(node.value, cst.Name):
