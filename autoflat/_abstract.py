@@ -82,9 +82,11 @@ def _one_step_call(
     values: dict[str, Any],
     roles: dict[str, Role],
     num_steps: int,
+    scalars: bool = False,
 ) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """Per parameter (rebuild, abstract leaves), or (None, value) for a static one, and a
-    function calling `fn` with one value per parameter (keyword-only ones by name)."""
+    function calling `fn` with one value per parameter (keyword-only ones by name).
+    `scalars`: the Python numbers inside every argument that is not static are traced too."""
     parts: list[Any] = []
     for p in params:
         role = roles[p]
@@ -95,7 +97,9 @@ def _one_step_call(
             # numbers are traced.
             scanned = role == "scanned"
             parts.append(
-                abstract_leaves(values[p], scanned and num_steps > 1, scanned and num_steps == 1)
+                abstract_leaves(
+                    values[p], scanned and num_steps > 1, scalars or (scanned and num_steps == 1)
+                )
             )
     keyword_only = _keyword_only(fn)
 
@@ -127,7 +131,48 @@ def flows(
     are computed from, and those whose own arrays are operands of the last operation making
     them (`p + u`), read off the step's jaxpr. The first is an over-approximation: every
     output of an operation counts as computed from all of its inputs."""
-    parts, call = _one_step_call(fn, params, values, roles, num_steps)
+    return _traced_on_failure(
+        lambda scalars: _flows(fn, params, values, roles, num_steps, split, scalars),
+        values,
+        roles,
+    )
+
+
+def _traced_on_failure(
+    evaluate: Callable[[bool], Any], values: dict[str, Any], roles: dict[str, Role]
+) -> Any:
+    """`evaluate(False)`, which keeps the Python numbers inside state and broadcast arguments
+    as they are (so that a counter given back unchanged stays one); if the step raises on
+    them (`1.0 / state.step` at step 0, a ZeroDivisionError where `jax.jit` traces the 0 and
+    computes inf), `evaluate(True)`, with them traced as `jax.jit` traces them. If that raises
+    too, the first error is the step's own."""
+    try:
+        return evaluate(False)
+    except Exception as first:
+        numbers = any(
+            isinstance(x, SCALARS)
+            for p, value in values.items()
+            if roles[p] != "static"
+            for x in jax.tree_util.tree_leaves(value)
+        )
+        if not numbers:
+            raise
+        try:
+            return evaluate(True)
+        except Exception:
+            raise first from None
+
+
+def _flows(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    scalars: bool,
+) -> list[tuple[frozenset[str], frozenset[str]]]:
+    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
     counts: list[int] = []
 
     def one_step(arrays: list[list[Any]]) -> Any:
@@ -191,8 +236,26 @@ def eval_one_step(
 ) -> Any:
     """The abstract value one step returns, for these arguments. With `after`, its keys are
     parameters whose leaves after the step (updated in place: state written back) are put
-    there as (key path, leaf) pairs, abstract where traced."""
-    parts, call = _one_step_call(fn, params, values, roles, num_steps)
+    there as (key path, leaf) pairs, abstract where traced. The Python numbers inside state
+    and broadcast arguments stay Python numbers, unless the step raises on them
+    (`_traced_on_failure`)."""
+    return _traced_on_failure(
+        lambda scalars: _eval_one_step(fn, params, values, roles, num_steps, after, scalars),
+        values,
+        roles,
+    )
+
+
+def _eval_one_step(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    after: dict[str, Any] | None,
+    scalars: bool,
+) -> Any:
+    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
     found: dict[str, Any] = {}
 
     def one_step(arrays: list[list[Any]]) -> Any:

@@ -490,6 +490,31 @@ def test_train_state_with_a_python_int_step_compiles_once(k):
     assert autoflat.stats(step).traces == 1
 
 
+@pytest.mark.parametrize("k", [1, K])
+def test_a_python_int_the_step_divides_by_is_traced_as_jax_jit_traces_it(k):
+    """`TrainState.create` starts `step=0`; Flax's lm1b and wmt schedules compute
+    `(count + shift) ** -0.5` at that count, inside a `jnp.where`. The first call's abstract
+    evaluation kept the 0 a Python int, so the step raised ZeroDivisionError from the
+    user's line, where `jax.jit` traces the 0 and computes an inf the where masks. Such an
+    evaluation is done again with the numbers traced."""
+
+    def update(state, x):
+        s = state["step"]
+        lr = jnp.where(s > 0, 1.0 / s, 1.0)
+        state = {"w": state["w"] - lr * x, "step": s + 1}
+        return state, lr
+
+    def start():
+        return {"w": jnp.zeros(2), "step": 0}
+
+    xs = _batches(8, (2,))
+    (ref,), outs = _reference(update, (start(),), (xs,), 8)
+    (got,), got_outs = _run(autoflat.step(update, num_steps=k), (start(),), (xs,), 8, k)
+    tree_allclose(got, ref, rtol=1e-6)
+    stacked = jnp.concatenate([jnp.atleast_1d(o[0]) for o in got_outs])
+    tree_allclose(stacked, jnp.stack([o[0] for o in outs]), rtol=1e-6)
+
+
 def test_state_that_is_one_array_or_none_comes_back_as_it_is():
     def update(key, extra, x):
         key, sub = jax.random.split(key)
