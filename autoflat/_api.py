@@ -142,10 +142,12 @@ def step(
     """
 
     def make(fn: Callable[..., Any]) -> Any:
-        if inspect.ismethod(fn):
+        if inspect.ismethod(fn) or _bound_method(fn):
             # `autoflat.step(self.train_step)`, as `jax.jit` takes it: the method's function
             # as a method step, reached through its instance (as decorating it in the class).
-            return make(fn.__func__).__get__(fn.__self__)
+            # An Equinox module's methods are bound by Equinox's own `BoundMethod`.
+            bound: Any = fn
+            return make(bound.__func__).__get__(bound.__self__)
         if (
             not inspect.isroutine(fn)
             and not isinstance(fn, (functools.partial, Step))
@@ -172,6 +174,19 @@ def step(
     if fn is _sentinel:
         return make
     return make(fn)
+
+
+def _bound_method(fn: Any) -> bool:
+    """A method bound to its instance by another type than Python's (Equinox's
+    `BoundMethod`): it has the function and the instance, and wraps that function, or
+    Python's bound method of it."""
+    func = getattr(fn, "__func__", None)
+    wrapped = getattr(fn, "__wrapped__", None)
+    return (
+        inspect.isfunction(func)
+        and hasattr(fn, "__self__")
+        and (wrapped is func or getattr(wrapped, "__func__", None) is func)
+    )
 
 
 def default_pack() -> Any:

@@ -199,8 +199,14 @@ def infer(
     # State by abstract value: candidates are open broadcast-like arguments and declared state
     # that is neither returned by name nor assigned into.
     declared = {p for p in options.state if p not in by_source}
+    # A method's pytree instance given back changed (`return self.replace(w=w), loss`, the
+    # flax.struct agents of jaxrl_m) is state; left broadcast, every step restarted from it.
     candidates = [
-        p for p in params if p in declared or _candidate(kinds.get(p), values[p], num_steps)
+        p
+        for p in params
+        if p in declared
+        or _candidate(kinds.get(p), values[p], num_steps)
+        or (p == options.instance and p not in options.broadcast and _has_arrays(values[p]))
     ]
     first = analysis.returns[0] if analysis.returns else None
     unpacked = 0
@@ -386,6 +392,12 @@ def infer(
     positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
     to_array = _to_array(fn, roles, values, positions, for_eval, num_steps, out, first)
     return Inferred(roles, to_array)
+
+
+def _has_arrays(value: Any) -> bool:
+    """A pytree node (not a leaf) with array leaves."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return not jax.tree_util.treedef_is_leaf(treedef) and any(is_array(x) for x in leaves)
 
 
 def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> bool:

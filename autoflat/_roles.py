@@ -239,7 +239,7 @@ def assign_roles(
         if p in options.static:
             roles.append("static")
             reasons.append("static_argnames=")
-        elif p == options.instance:
+        elif p == options.instance and p not in matched:
             roles.append("broadcast")
             read = [f"{p}.{a}" for q, a in analysis.attribute_reads if q == p]
             reasons.append(

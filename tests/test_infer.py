@@ -929,6 +929,56 @@ def test_a_method_steps_array_state_is_matched_at_its_own_place(how):
     assert "# w: state (matched by value to return position 0)" in autoflat.show(step)
 
 
+@pytest.mark.parametrize("kind", ["flax.struct", "equinox", "equinox bound"])
+def test_a_method_step_that_gives_back_a_new_self_carries_it(kind):
+    """A pytree agent whose method returns the new agent (`return self.replace(w=w), info`,
+    jaxrl_m's pattern, with flax.struct or Equinox): `self` was broadcast, so at num_steps=4
+    every step restarted from the agent passed in (losses 0 .2 .4 .6 against 0 .2 .58 1.12)
+    and the new agents came back stacked, silently. The instance is matched by value, as any
+    parameter. `autoflat.step(agent.update)` on an Equinox module (bound by Equinox's
+    `BoundMethod`) was refused as a wrapper."""
+    if kind == "flax.struct":
+        struct = pytest.importorskip("flax.struct")
+
+        class Agent(struct.PyTreeNode):
+            w: jax.Array
+
+            def update(self, x):
+                w = self.w - 0.1 * (self.w - x)
+                return self.replace(w=w), {"loss": jnp.sum(w)}
+
+    else:
+        eqx = pytest.importorskip("equinox")
+
+        class Agent(eqx.Module):  # type: ignore[no-redef]
+            w: jax.Array
+
+            def update(self, x):
+                w = self.w - 0.1 * (self.w - x)
+                return eqx.tree_at(lambda a: a.w, self, w), {"loss": jnp.sum(w)}
+
+    xs = jnp.arange(8.0)[:, None] * jnp.ones((8, 2))
+    ref = jax.jit(type(Agent(jnp.zeros(2))).update)
+    a, ref_losses = Agent(jnp.zeros(2)), []
+    for x in xs:
+        a, info = ref(a, x)
+        ref_losses.append(info["loss"])
+    for k in (1, K):
+        b, losses = Agent(jnp.zeros(2)), []
+        step = None if kind == "equinox bound" else autoflat.step(Agent.update, num_steps=k)
+        for start in range(0, 8, k):
+            x = xs[start : start + k] if k > 1 else xs[start]
+            if step is None:
+                b, info = autoflat.step(b.update, num_steps=k)(x)
+            else:
+                b, info = step(b, x)
+            losses.append(jnp.atleast_1d(info["loss"]))
+        np.testing.assert_allclose(jnp.concatenate(losses), jnp.stack(ref_losses), rtol=1e-6)
+        np.testing.assert_allclose(b.w, a.w, rtol=1e-6)
+        if step is not None:
+            assert "# self: state (matched by value to return position 0)" in autoflat.show(step)
+
+
 def test_a_default_never_passed_is_broadcast():
     """`def step(p, x, *, class_weights=W)` with W of length 4 = num_steps, never passed: it
     was taken as per-step (its first axis is num_steps) and sliced, a raw IndexError or wrong
