@@ -198,7 +198,7 @@ def infer(
 
     # State by abstract value: candidates are open broadcast-like arguments and declared state
     # that is neither returned by name nor assigned into.
-    declared = {p for p in options.state if p not in by_source}
+    declared = {p for p in options.state if p not in by_source | mutable}
     # A method's pytree instance given back changed (`return self.replace(w=w), loss`, the
     # flax.struct agents of jaxrl_m) is state; left broadcast, every step restarted from it.
     candidates = [
@@ -311,8 +311,9 @@ def infer(
             left = [pos for pos in positions if pos not in found.values()]
             places = _matching.places([p for p in params if p in carried or p in found], returned)
             by_value = _matching.match(
-                analysis, params, values, pending, left, outs, declared, places, alike(returned)
-            )
+                analysis, params, values, pending, left, outs, declared, places,
+                alike(returned), flow_of(returned), returned.names,
+            )  # fmt: skip
             return found, by_value
 
         counters, by_value = settle(first, outputs, open_positions)

@@ -13,6 +13,7 @@ by item (`unpackable`).
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -35,13 +36,16 @@ def match(
     declared: set[str],
     place: dict[str, int],
     alike: Callable[..., dict[str, tuple[int, str]] | None],
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    names: tuple[str | None, ...],
 ) -> dict[str, tuple[int, str]]:
     """Return positions matched to candidate parameters by abstract value.
 
     `place` (`_places`) gives the parameters that could be state their own return position:
-    a bare array may only match there, so a scalar loss is never taken for a scalar input.
-    `alike(left, spots, fits)` settles several parameters alike over as many positions
-    (`settle_alike`), or returns None."""
+    a bare array may only match there, and only where the step's data flow (`flow`, per
+    position: the parameters it is computed from, those the last operation takes) says it
+    could be its new value (`bare_at_place`). `alike(left, spots, fits)` settles several
+    parameters alike over as many positions (`settle_alike`), or returns None."""
     if not outputs:
         return {}
     fits: dict[str, list[int]] = {}
@@ -53,6 +57,8 @@ def match(
             if (not bare or p in declared or pos == place.get(p))
             and same_value(values[p], outputs[pos])
         ]
+        if bare and p not in declared and not is_key(values[p]) and fits[p]:
+            fits[p] = bare_at_place(analysis, p, fits[p][0], flow, names)
     # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
     # matched where no other candidate fits. Several keys: each at any position its value
     # fits, settled below by data flow (the rank put `noise_rng` on `new_dropout_rng`).
@@ -101,6 +107,44 @@ def match(
             example = ", ".join(f'"{q}": <position>' for q in left)
             raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
     return matched
+
+
+def bare_at_place(
+    analysis: Analysis,
+    p: str,
+    pos: int,
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    names: tuple[str | None, ...],
+) -> list[int]:
+    """`[pos]` if the bare array `p` may be state at its place `pos`, `[]` if not. Its rank
+    among the parameters is weak evidence: `(params, opt_state, x, lr)` returning `params,
+    opt_state, loss` put `lr` at the loss's place, and at num_steps=4 every step trained with
+    the last loss as its learning rate, silently. So the step's data flow must agree: the
+    last operation takes `p`'s own array (`w - lr * g`, `step + 1`): state; the position is
+    not computed from `p` at all: not state; computed from it among others (`beta * v + g`,
+    or a loss `mse + wd * l2`): state where the return is an expression or a name sharing a
+    word with `p` (`new_v`, `v2`), else an OptionError that asks."""
+    sources, direct = flow()[pos]
+    if p in direct:
+        return [pos]
+    if p not in sources:
+        return []
+    name = names[pos] if pos < len(names) else None
+    if name is None or _words(name) & _words(p):
+        return [pos]
+    raise error(
+        OptionError,
+        AMBIGUOUS_STATE,
+        analysis,
+        what=f"return position {pos} (`{name}`, computed from `{p}`) could be the new value "
+        f"of `{p}`",
+        example=f'"{p}": {pos}',
+    )
+
+
+def _words(name: str) -> set[str]:
+    """`new_ema_params` -> {new, ema, params}; `v2` -> {v}."""
+    return {w for w in re.split(r"[^a-z]+", name.lower()) if w}
 
 
 def counters(

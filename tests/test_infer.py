@@ -979,6 +979,63 @@ def test_a_method_step_that_gives_back_a_new_self_carries_it(kind):
             assert "# self: state (matched by value to return position 0)" in autoflat.show(step)
 
 
+def test_a_scalar_argument_at_the_losss_place_is_not_taken_for_state():
+    """`train_step(params, opt_state, x, lr)` returning `params, opt_state, loss` with `lr` a
+    float32 array: `lr` ranks third among the parameters that could be state, as the loss
+    does among the returns, so it was matched to the loss; at num_steps=4 every step trained
+    with the previous loss as its learning rate and the losses were lost (w -0.72 against
+    0.04 after one call), silently. A bare array at its place is state only where the data
+    flow says so: not computed from it, it is broadcast; computed from it among others under
+    another name (a loss with `wd * l2`), an OptionError asks; an expression or a name that
+    shares a word (`v2` for `v`) is matched as before."""
+    tx = optax.scale_by_adam()
+
+    def train_step(params, opt_state, x, lr):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - 1.0) ** 2))(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, u)
+        return params, opt_state, loss
+
+    def decayed(params, opt_state, x, wd):
+        def loss_fn(p):
+            return jnp.mean((x @ p["w"] - 1.0) ** 2) + wd * jnp.sum(p["w"] ** 2)
+
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    def momentum(w, v, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        v2 = 0.9 * v + g
+        return w - 0.1 * v2, v2, loss
+
+    p0 = {"w": jnp.zeros(3)}
+    xs = _batches(8, (8, 3))
+    lr = jnp.float32(0.01)
+    state, ref = _reference(train_step, (p0, tx.init(p0)), (xs,), 8, (lr,))
+    step = autoflat.step(train_step, num_steps=K)
+    got, outs = _run(step, (p0, tx.init(p0)), (xs,), 8, K, (lr,))
+    assert "# lr: broadcast" in autoflat.show(step)
+    tree_allclose(got, state, rtol=1e-6)
+    tree_allclose(jnp.concatenate([o[0] for o in outs]), jnp.stack([o[0] for o in ref]))
+
+    with pytest.raises(
+        autoflat.OptionError, match=r"return position 2 \(`loss`, computed from `wd`\)"
+    ):
+        autoflat.step(decayed, num_steps=K)(p0, tx.init(p0), xs[:K], jnp.float32(1e-3))
+    step = autoflat.step(decayed, num_steps=K, broadcast="wd")
+    state, ref = _reference(decayed, (p0, tx.init(p0)), (xs,), 8, (jnp.float32(1e-3),))
+    got, _ = _run(step, (p0, tx.init(p0)), (xs,), 8, K, (jnp.float32(1e-3),))
+    tree_allclose(got, state, rtol=1e-6)
+
+    w0, v0 = jnp.zeros(3), jnp.zeros(3)
+    state, _ = _reference(momentum, (w0, v0), (_batches(8),), 8)
+    step = autoflat.step(momentum, num_steps=K)
+    got, _ = _run(step, (w0, v0), (_batches(8),), 8, K)
+    assert "# v: state (matched by value to return position 1)" in autoflat.show(step)
+    tree_allclose(got, state, rtol=1e-6)
+
+
 def test_a_default_never_passed_is_broadcast():
     """`def step(p, x, *, class_weights=W)` with W of length 4 = num_steps, never passed: it
     was taken as per-step (its first axis is num_steps) and sliced, a raw IndexError or wrong
