@@ -385,7 +385,10 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
     for k, i in program.written_back_idx:
         variables = nnx_vars.get(k)
         if variables is not None and state_out[k].structure is spec.structures[k]:
-            new_arrays = LazyHandle._af_leaf_arrays(handles[k])
+            # An object with no arrays (an NNX module of no Variables) comes back as itself.
+            new_arrays = (
+                LazyHandle._af_leaf_arrays(handles[k]) if type(handles[k]) is LazyHandle else []
+            )
             step._nnx.write(hit, variables, new_arrays)
             written[k] = new_arrays
             if hit is not None:

@@ -34,7 +34,7 @@ from ._errors import (
     ShapeError,
     error,
 )
-from ._roles import Options, Role
+from ._roles import Options, Role, is_mutable_module
 from ._structure import is_array
 
 
@@ -103,11 +103,13 @@ def check_written_per_step(
     """An argument the body writes into (`batch["x"] = ...`, `batch.update(...)`) is state,
     carried from step to step and written back. One whose array leaves all have a leading axis
     of num_steps looks like a per-step input changed locally, as under `jax.jit` (each step
-    would see the whole chunk): the user says which."""
+    would see the whole chunk): the user says which. A Flax NNX object is not asked about:
+    it is state whatever its shapes (an `nnx.Linear(4, 4)`, four layers scanned over, at
+    num_steps=4), as nothing would feed a model per step."""
     written = (set(analysis.assigned) | mutable) - set(returned_at) - options.state
     written -= options.static | options.broadcast | options.per_step | {options.instance}
     for p, value in zip(analysis.param_names, args, strict=True):
-        if p not in written:
+        if p not in written or is_mutable_module(value):
             continue
         leaves = jax.tree_util.tree_leaves(value)
         if leaves and all(

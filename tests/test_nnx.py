@@ -524,3 +524,58 @@ def test_an_nnx_jit_step_is_taken_as_its_function():
     _assert_same(objs, ref_objs)
     with pytest.raises(autoflat.SourceError, match=r"with donate_argnums=\(0,\)"):
         autoflat.step(nnx.jit(train_step, donate_argnums=0))
+
+
+def simple_step(model, optimizer, x, y):
+    def loss_fn(model):
+        return jnp.mean((model(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("state", [None, "model"])
+def test_a_model_whose_arrays_all_have_num_steps_rows_is_state(state):
+    """`nnx.Linear(4, 4)` (or four layers scanned over) at num_steps=4: every array of the
+    model has a leading axis of 4, so the mutated model was refused as looking per-step, and
+    the fix the error offered, `state="model"`, was refused too (no return gives it back).
+    An NNX object is state whatever its shapes."""
+    xs = jax.random.normal(jax.random.key(0), (8, 16, 4))
+    ys = jnp.zeros((8, 16, 4))
+
+    def fresh():
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    model, optimizer = fresh()
+    ref = nnx.jit(simple_step)
+    losses = [ref(model, optimizer, x, y) for x, y in zip(xs, ys, strict=True)]
+    opts = {} if state is None else {"state": state}
+    step = autoflat.step(simple_step, num_steps=4, **opts)
+    m2, o2 = fresh()
+    got = [step(m2, o2, xs[i : i + 4], ys[i : i + 4]) for i in (0, 4)]
+    np.testing.assert_allclose(jnp.concatenate(got), jnp.stack(losses), rtol=1e-5)
+    tree_allclose(nnx.state(m2), nnx.state(model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_module_holding_no_variables(k):
+    """An NNX module of no Variables (a config-only module) beside the state: it is state
+    with no arrays and comes back as itself; writing it back looked for the arrays of a
+    handle after the program ran (AttributeError `_af_layout`)."""
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.factor = 2.0
+
+    def update(m, w, x):
+        w = w - 0.1 * m.factor * x
+        return w
+
+    scale, w = Scale(), jnp.ones(2)
+    step = autoflat.step(update, num_steps=k)
+    for _ in range(3):
+        w = step(scale, w, jnp.ones((k, 2)) if k > 1 else jnp.ones(2))
+    np.testing.assert_allclose(w, 1.0 - 3 * k * 0.2, rtol=1e-6)
+    assert scale.factor == 2.0
