@@ -93,16 +93,16 @@ def match(
         if settled is not None:
             matched.update(settled)
         else:
-            names = ", ".join(f"`{q}`" for q in left)
+            listed = ", ".join(f"`{q}`" for q in left)
             if len(spots) == 1:
                 either = " or ".join(f"`{q}`" for q in left)
                 what = f"return position {spots[0]} could be the new value of {either}"
             elif len(left) == 1:
-                what = f"return positions {', '.join(map(str, spots))} each look like {names}"
+                what = f"return positions {', '.join(map(str, spots))} each look like {listed}"
             else:
                 what = (
                     f"return positions {', '.join(map(str, spots))} could each be the new "
-                    f"value of {names}"
+                    f"value of {listed}"
                 )
             example = ", ".join(f'"{q}": <position>' for q in left)
             raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
