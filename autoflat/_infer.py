@@ -466,6 +466,14 @@ def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role,
         return "broadcast", f"{_describe(value)}, holds values JAX cannot trace"
     if num_steps == 1:
         return "scanned", "per-step input"
+    if (
+        num_steps == 2
+        and _matching.is_key(value)
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    ):
+        # A raw `jax.random.PRNGKey` (uint32[2]) has a leading axis of 2: sliced per step, each
+        # step got one uint32 and JAX's key check failed. Two steps' raw keys are (2, 2).
+        return "broadcast", "a raw PRNG key (uint32[2]), the same every step"
     arrays = [x for x in leaves if is_array(x)]
     with_axis = [x for x in arrays if np.ndim(x) >= 1 and np.shape(x)[0] == num_steps]
     if arrays and len(with_axis) == len(leaves):

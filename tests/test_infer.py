@@ -1290,3 +1290,29 @@ def test_gradients_returned_are_never_a_parameters_new_value():
         tree_allclose(got, state, rtol=1e-6)
         stacked = jax.tree.map(lambda *a: jnp.stack(a), *ref)
         tree_allclose(jax.tree.map(lambda *a: jnp.concatenate(a), *outs), stacked, rtol=1e-6)
+
+
+def test_a_raw_key_at_two_steps_a_call_is_broadcast():
+    """A raw `jax.random.PRNGKey(0)` (uint32[2]) passed beside per-step inputs at
+    num_steps=2 has a leading axis of 2: it was sliced per step, and JAX raised 'invalid PRNG
+    key data' with nothing from autoflat. It is broadcast, as at any other num_steps; a
+    typed key array of two keys is still two steps' keys."""
+
+    def update(w, x, rng):
+        noise = jax.random.normal(jax.random.fold_in(rng, 0), w.shape)
+        return w + 0.1 * x + noise, jnp.sum(w)
+
+    rng = jax.random.PRNGKey(0)
+    xs = _batches(4)
+    state, _ = _reference(update, (jnp.zeros(3),), (xs,), 4, (rng,))
+    step = autoflat.step(update, num_steps=2)
+    got, _ = _run(step, (jnp.zeros(3),), (xs,), 4, 2, (rng,))
+    assert "# rng: broadcast (a raw PRNG key (uint32[2]), the same every step)" in autoflat.show(
+        step
+    )
+    tree_allclose(got, state, rtol=1e-6)
+
+    keys = jax.random.split(jax.random.key(1), 2)
+    step = autoflat.step(update, num_steps=2)
+    step(jnp.zeros(3), xs[:2], keys)
+    assert "# rng: scanned" in autoflat.show(step)
