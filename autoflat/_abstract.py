@@ -82,11 +82,11 @@ def _one_step_call(
     values: dict[str, Any],
     roles: dict[str, Role],
     num_steps: int,
-    scalars: bool = False,
+    scalars: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     """Per parameter (rebuild, abstract leaves), or (None, value) for a static one, and a
     function calling `fn` with one value per parameter (keyword-only ones by name).
-    `scalars`: the Python numbers inside every argument that is not static are traced too."""
+    `scalars`: parameters whose Python numbers are traced too (unless static)."""
     parts: list[Any] = []
     for p in params:
         role = roles[p]
@@ -98,7 +98,9 @@ def _one_step_call(
             scanned = role == "scanned"
             parts.append(
                 abstract_leaves(
-                    values[p], scanned and num_steps > 1, scalars or (scanned and num_steps == 1)
+                    values[p],
+                    scanned and num_steps > 1,
+                    p in scalars or (scanned and num_steps == 1),
                 )
             )
     keyword_only = _keyword_only(fn)
@@ -139,28 +141,32 @@ def flows(
 
 
 def _traced_on_failure(
-    evaluate: Callable[[bool], Any], values: dict[str, Any], roles: dict[str, Role]
+    evaluate: Callable[[frozenset[str]], Any], values: dict[str, Any], roles: dict[str, Role]
 ) -> Any:
-    """`evaluate(False)`, which keeps the Python numbers inside state and broadcast arguments
-    as they are (so that a counter given back unchanged stays one); if the step raises on
-    them (`1.0 / state.step` at step 0, a ZeroDivisionError where `jax.jit` traces the 0 and
-    computes inf), `evaluate(True)`, with them traced as `jax.jit` traces them. If that raises
-    too, the first error is the step's own."""
+    """`evaluate(frozenset())`, which keeps the Python numbers inside state and broadcast
+    arguments as they are (so that a counter given back unchanged stays one); if the step
+    raises on them (`1.0 / state.step` at step 0, a ZeroDivisionError where `jax.jit` traces
+    the 0 and computes inf), again with the numbers of one argument traced, as `jax.jit`
+    traces them, for each such argument in turn (another's may be needed concrete: a config
+    of layer sizes), then of all. If every try raises, the first error is the step's own."""
     try:
-        return evaluate(False)
+        return evaluate(frozenset())
     except Exception as first:
-        numbers = any(
-            isinstance(x, SCALARS)
+        holding = [
+            p
             for p, value in values.items()
             if roles[p] != "static"
-            for x in jax.tree_util.tree_leaves(value)
-        )
-        if not numbers:
-            raise
-        try:
-            return evaluate(True)
-        except Exception:
-            raise first from None
+            and any(isinstance(x, SCALARS) for x in jax.tree_util.tree_leaves(value))
+        ]
+        tries = [frozenset({p}) for p in holding]
+        if len(holding) > 1:
+            tries.append(frozenset(holding))
+        for traced in tries:
+            try:
+                return evaluate(traced)
+            except Exception:
+                continue
+        raise first from None
 
 
 def _flows(
@@ -170,7 +176,7 @@ def _flows(
     roles: dict[str, Role],
     num_steps: int,
     split: Callable[[Any], list[Any]],
-    scalars: bool,
+    scalars: frozenset[str],
 ) -> list[tuple[frozenset[str], frozenset[str]]]:
     parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
     counts: list[int] = []
@@ -253,7 +259,7 @@ def _eval_one_step(
     roles: dict[str, Role],
     num_steps: int,
     after: dict[str, Any] | None,
-    scalars: bool,
+    scalars: frozenset[str],
 ) -> Any:
     parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
     found: dict[str, Any] = {}

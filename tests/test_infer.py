@@ -5,6 +5,8 @@ start."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -490,17 +492,22 @@ def test_train_state_with_a_python_int_step_compiles_once(k):
     assert autoflat.stats(step).traces == 1
 
 
+class Config(NamedTuple):
+    size: int
+
+
 @pytest.mark.parametrize("k", [1, K])
 def test_a_python_int_the_step_divides_by_is_traced_as_jax_jit_traces_it(k):
     """`TrainState.create` starts `step=0`; Flax's lm1b and wmt schedules compute
     `(count + shift) ** -0.5` at that count, inside a `jnp.where`. The first call's abstract
     evaluation kept the 0 a Python int, so the step raised ZeroDivisionError from the
     user's line, where `jax.jit` traces the 0 and computes an inf the where masks. Such an
-    evaluation is done again with the numbers traced."""
+    evaluation is done again with the numbers of one argument traced, then another's: a
+    config's sizes beside it must stay concrete."""
 
-    def update(state, x):
+    def update(state, x, config):
         s = state["step"]
-        lr = jnp.where(s > 0, 1.0 / s, 1.0)
+        lr = jnp.where(s > 0, 1.0 / s, 1.0) * jnp.ones(config.size)
         state = {"w": state["w"] - lr * x, "step": s + 1}
         return state, lr
 
@@ -508,10 +515,17 @@ def test_a_python_int_the_step_divides_by_is_traced_as_jax_jit_traces_it(k):
         return {"w": jnp.zeros(2), "step": 0}
 
     xs = _batches(8, (2,))
-    (ref,), outs = _reference(update, (start(),), (xs,), 8)
-    (got,), got_outs = _run(autoflat.step(update, num_steps=k), (start(),), (xs,), 8, k)
+    config = Config(size=2)
+    ref, outs = start(), []
+    for x in xs:
+        ref, out = jax.jit(update, static_argnums=2)(ref, x, config)
+        outs.append((out,))
+    # At num_steps=4 the config's Python ints are static, as Python numbers are there.
+    step = autoflat.step(update, num_steps=k, static_argnames="config" if k == 1 else ())
+    (got,), got_outs = _run(step, (start(),), (xs,), 8, k, (config,))
     tree_allclose(got, ref, rtol=1e-6)
-    stacked = jnp.concatenate([jnp.atleast_1d(o[0]) for o in got_outs])
+    join = jnp.concatenate if k > 1 else jnp.stack
+    stacked = join([o[0] for o in got_outs])
     tree_allclose(stacked, jnp.stack([o[0] for o in outs]), rtol=1e-6)
 
 
