@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as _core
 import numpy as np
 
 from ._handles import LazyHandle
@@ -193,36 +194,100 @@ def _flows(
     inputs = [[] if rebuild is None else a for rebuild, a in parts]
     jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
     owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
-    source: dict[Any, frozenset[str]] = {
-        v: frozenset({p}) for v, p in zip(jaxpr.invars, owners, strict=True)
+    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
+    result = []
+    at = 0
+    for n in counts:
+        span = range(at, at + n)
+        at += n
+        result.append(
+            (
+                _NONE.union(*(sources[i] for i in span)),
+                _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
+            )
+        )
+    return result
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+def _own(root: str | None) -> frozenset[str]:
+    return _NONE if root is None else frozenset({root})
+
+
+def _walk(
+    jaxpr: Any, sources_in: list[frozenset[str]], roots_in: list[str | None]
+) -> tuple[list[frozenset[str]], list[frozenset[str]], list[str | None]]:
+    """Per output of `jaxpr`, given per input the parameters it is computed from and the
+    parameter it is the own leaf of (or None): the parameters it is computed from (every
+    output of an operation counts as computed from all of its inputs), those whose own leaves
+    are operands of the operation making it (`p + u` in `optax.apply_updates`), and the
+    parameter it is the own leaf of, through casts and reshapes. A call of a jaxpr (a
+    `jax.jit`-ed helper, a custom derivative, a remat) is walked into; another operation
+    holding jaxprs (a scan, a cond) takes no operand directly."""
+    source: dict[Any, frozenset[str]] = dict(zip(jaxpr.invars, sources_in, strict=True))
+    root: dict[Any, str] = {
+        v: r for v, r in zip(jaxpr.invars, roots_in, strict=True) if r is not None
     }
-    none: frozenset[str] = frozenset()
-    # `root`: values that are a parameter's own leaf, through dtype casts and reshapes;
-    # `direct`: the parameters whose own leaves are operands of the operation making a value
-    # (`p + u` in `optax.apply_updates`).
-    root: dict[Any, str] = dict(zip(jaxpr.invars, owners, strict=True))
     direct: dict[Any, frozenset[str]] = {}
+
+    def get(v: Any) -> tuple[frozenset[str], str | None]:
+        if hasattr(v, "val"):  # a literal
+            return _NONE, None
+        return source.get(v, _NONE), root.get(v)
+
     for eqn in jaxpr.eqns:
         ins = [v for v in eqn.invars if not hasattr(v, "val")]
-        found = none.union(*(source.get(v, none) for v in ins))
-        near = frozenset(root[v] for v in ins if v in root)
+        inner = _called(eqn)
+        if inner is not None:
+            got = [get(v) for v in eqn.invars]
+            walked = _walk(inner, [g[0] for g in got], [g[1] for g in got])
+            for v, s_, d_, r_ in zip(eqn.outvars, *walked, strict=True):
+                source[v], direct[v] = s_, d_
+                if r_ is not None:
+                    root[v] = r_
+            continue
+        found = _NONE.union(*(source.get(v, _NONE) for v in ins))
+        holds = any(_jaxprs(value) for value in eqn.params.values())
+        near = _NONE if holds else frozenset(root[v] for v in ins if v in root)
         through = eqn.primitive.name in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
         for v in eqn.outvars:
             source[v] = found
             direct[v] = near
             if through:
                 root[v] = root[ins[0]]
-    result = []
-    outvars = iter(jaxpr.outvars)
-    for n in counts:
-        vs = [v for v in (next(outvars) for _ in range(n)) if not hasattr(v, "val")]
-        result.append(
-            (
-                none.union(*(source.get(v, none) for v in vs)),
-                none.union(*(direct.get(v, none) | ({root[v]} if v in root else none) for v in vs)),
-            )
-        )
-    return result
+    got_out = [get(v) for v in jaxpr.outvars]
+    return (
+        [s_ for s_, _ in got_out],
+        [_NONE if hasattr(v, "val") else direct.get(v, _NONE) for v in jaxpr.outvars],
+        [r_ for _, r_ in got_out],
+    )
+
+
+def _jaxprs(value: Any) -> list[Any]:
+    """The jaxprs an equation's parameter holds (one, or a tuple of branches)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    found = []
+    for x in items:
+        if isinstance(x, (_core.ClosedJaxpr, _core.Jaxpr)):
+            inner = getattr(x, "jaxpr", None)  # a closed jaxpr's, where it is a type of its own
+            found.append(inner if hasattr(inner, "eqns") else x)
+    return found
+
+
+def _called(eqn: Any) -> Any:
+    """The jaxpr an equation calls with its own inputs and outputs (`pjit`, `closed_call`,
+    `custom_jvp_call`, `custom_vjp_call`, `remat`), or None."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        found = _jaxprs(eqn.params.get(name))
+        if (
+            len(found) == 1
+            and len(found[0].invars) == len(eqn.invars)
+            and len(found[0].outvars) == len(eqn.outvars)
+        ):
+            return found[0]
+    return None
 
 
 # Operations that pass a value through (a cast, a copy, a reshape): what they make is still

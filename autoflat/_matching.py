@@ -116,28 +116,27 @@ def bare_at_place(
     flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
     names: tuple[str | None, ...],
 ) -> list[int]:
-    """`[pos]` if the bare array `p` may be state at its place `pos`, `[]` if not. Its rank
-    among the parameters is weak evidence: `(params, opt_state, x, lr)` returning `params,
-    opt_state, loss` put `lr` at the loss's place, and at num_steps=4 every step trained with
-    the last loss as its learning rate, silently. So the step's data flow must agree: the
-    last operation takes `p`'s own array (`w - lr * g`, `step + 1`): state; the position is
-    not computed from `p` at all: not state; computed from it among others (`beta * v + g`,
-    or a loss `mse + wd * l2`): state where the return is an expression or a name sharing a
-    word with `p` (`new_v`, `v2`), else an OptionError that asks."""
+    """`[pos]` if the bare array `p` is state at its place `pos`, else an OptionError. Its
+    rank among the parameters is weak evidence: `(params, opt_state, x, lr)` returning
+    `params, opt_state, loss` put `lr` at the loss's place, and at num_steps=4 every step
+    trained with the previous loss as its learning rate, silently. So more must agree: the
+    last operation takes `p`'s own array (`w - lr * g`, `step + 1`), or the returned name
+    shares a word with `p` (`new_v`, `v2`, `loss` for `prev_loss`), or the return is an
+    expression computed from `p` (`0.9 * v + g`). Else nothing tells a learning rate beside
+    a loss from a previous loss overwritten every step: the user says which."""
     sources, direct = flow()[pos]
-    if p in direct:
-        return [pos]
-    if p not in sources:
-        return []
     name = names[pos] if pos < len(names) else None
-    if name is None or _words(name) & _words(p):
+    if p in direct or (name is not None and _words(name) & _words(p)):
         return [pos]
+    if name is None and p in sources:
+        return [pos]
+    returned = f"`{name}`" if name is not None else "an expression"
+    how = "computed from" if p in sources else "not computed from"
     raise error(
         OptionError,
         AMBIGUOUS_STATE,
         analysis,
-        what=f"return position {pos} (`{name}`, computed from `{p}`) could be the new value "
-        f"of `{p}`",
+        what=f"return position {pos} ({returned}, {how} `{p}`) could be the new value of `{p}`",
         example=f'"{p}": {pos}',
     )
 

@@ -998,10 +998,11 @@ def test_a_scalar_argument_at_the_losss_place_is_not_taken_for_state():
     float32 array: `lr` ranks third among the parameters that could be state, as the loss
     does among the returns, so it was matched to the loss; at num_steps=4 every step trained
     with the previous loss as its learning rate and the losses were lost (w -0.72 against
-    0.04 after one call), silently. A bare array at its place is state only where the data
-    flow says so: not computed from it, it is broadcast; computed from it among others under
-    another name (a loss with `wd * l2`), an OptionError asks; an expression or a name that
-    shares a word (`v2` for `v`) is matched as before."""
+    0.04 after one call), silently. A bare array at its place is state only where more
+    agrees: the last operation takes its array (also inside a jitted helper, whose
+    operations are walked into), the returned name shares a word with it (`prev_loss`
+    overwritten by `loss`), or the return is an expression computed from it (`0.9 * v + g`).
+    Else an OptionError asks, `lr` and a loss with `wd * l2` alike."""
     tx = optax.scale_by_adam()
 
     def train_step(params, opt_state, x, lr):
@@ -1018,36 +1019,54 @@ def test_a_scalar_argument_at_the_losss_place_is_not_taken_for_state():
         u, opt_state = tx.update(g, opt_state, params)
         return optax.apply_updates(params, u), opt_state, loss
 
+    @jax.jit
+    def inner(w, x, lr):  # a jitted helper taking lr: one operation outside
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr * g, loss
+
+    def helper(w, x, lr):
+        w, loss = inner(w, x, lr)
+        return w, loss
+
     def momentum(w, v, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
-        v2 = 0.9 * v + g
-        return w - 0.1 * v2, v2, loss
+        return w - 0.1 * (0.9 * v + g), 0.9 * v + g, loss
+
+    def adaptive(w, prev_loss, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        lr = jnp.where(loss < prev_loss, 0.1, 0.01)
+        return w - lr * g, loss
 
     p0 = {"w": jnp.zeros(3)}
     xs = _batches(8, (8, 3))
     lr = jnp.float32(0.01)
-    state, ref = _reference(train_step, (p0, tx.init(p0)), (xs,), 8, (lr,))
-    step = autoflat.step(train_step, num_steps=K)
-    got, outs = _run(step, (p0, tx.init(p0)), (xs,), 8, K, (lr,))
-    assert "# lr: broadcast" in autoflat.show(step)
-    tree_allclose(got, state, rtol=1e-6)
-    tree_allclose(jnp.concatenate([o[0] for o in outs]), jnp.stack([o[0] for o in ref]))
-
+    with pytest.raises(
+        autoflat.OptionError, match=r"return position 2 \(`loss`, not computed from `lr`\)"
+    ):
+        autoflat.step(train_step, num_steps=K)(p0, tx.init(p0), xs[:K], lr)
     with pytest.raises(
         autoflat.OptionError, match=r"return position 2 \(`loss`, computed from `wd`\)"
     ):
         autoflat.step(decayed, num_steps=K)(p0, tx.init(p0), xs[:K], jnp.float32(1e-3))
-    step = autoflat.step(decayed, num_steps=K, broadcast="wd")
-    state, ref = _reference(decayed, (p0, tx.init(p0)), (xs,), 8, (jnp.float32(1e-3),))
-    got, _ = _run(step, (p0, tx.init(p0)), (xs,), 8, K, (jnp.float32(1e-3),))
-    tree_allclose(got, state, rtol=1e-6)
+    with pytest.raises(autoflat.OptionError, match=r"\(`loss`, not computed from `lr`\)"):
+        autoflat.step(helper, num_steps=K)(jnp.zeros(3), _batches(K), lr)
+    for fn, hyper in ((train_step, lr), (decayed, jnp.float32(1e-3))):
+        name = fn.__code__.co_varnames[3]
+        state, ref = _reference(fn, (p0, tx.init(p0)), (xs,), 8, (hyper,))
+        step = autoflat.step(fn, num_steps=K, broadcast=name)
+        got, outs = _run(step, (p0, tx.init(p0)), (xs,), 8, K, (hyper,))
+        tree_allclose(got, state, rtol=1e-6)
+        tree_allclose(jnp.concatenate([o[0] for o in outs]), jnp.stack([o[0] for o in ref]))
 
-    w0, v0 = jnp.zeros(3), jnp.zeros(3)
-    state, _ = _reference(momentum, (w0, v0), (_batches(8),), 8)
-    step = autoflat.step(momentum, num_steps=K)
-    got, _ = _run(step, (w0, v0), (_batches(8),), 8, K)
-    assert "# v: state (matched by value to return position 1)" in autoflat.show(step)
-    tree_allclose(got, state, rtol=1e-6)
+    for fn, start, name in (
+        (momentum, jnp.zeros(3), "v"),
+        (adaptive, jnp.float32(jnp.inf), "prev_loss"),
+    ):
+        state, _ = _reference(fn, (jnp.zeros(3), start), (_batches(8),), 8)
+        step = autoflat.step(fn, num_steps=K)
+        got, _ = _run(step, (jnp.zeros(3), start), (_batches(8),), 8, K)
+        assert f"# {name}: state (matched by value to return position 1)" in autoflat.show(step)
+        tree_allclose(got, state, rtol=1e-6)
 
 
 def test_a_default_never_passed_is_broadcast():
