@@ -61,10 +61,11 @@ class Return:
     # Set by the first call (`_infer`) for one expression that gave a dict whose values are
     # the return positions (`return {"params": ..., "loss": ...}`): its keys, in that order.
     keys: tuple[Any, ...] = ()
-    # Positions that return gradients: a name only ever bound to what `jax.grad(f)(...)` or
-    # its kin give (`loss, grads = jax.value_and_grad(f)(params, x)`), or such a call. Never
-    # a parameter's new value, however alike their abstract values.
-    gradients: frozenset[int] = frozenset()
+    # Positions that return gradients, each with the parameters they are gradients at: a
+    # name only ever bound to what `jax.grad(f)(...)` or its kin give (`loss, grads =
+    # jax.value_and_grad(f)(params, x)`), or such a call. Never the new value of those
+    # parameters, however alike their abstract values (a previous gradient may be).
+    gradients: tuple[tuple[int, tuple[str, ...]], ...] = ()
 
     def describe(self) -> str:
         if self.kind == "none":
@@ -153,10 +154,13 @@ def _describe_return(node: cst.Return, line: int, visitor: Visitor) -> Return:
         return Return(line, "none", ())
     gradients = visitor.gradients()
 
-    def is_gradient(el: cst.BaseExpression) -> bool:
+    def gradient_of(el: cst.BaseExpression) -> frozenset[str] | None:
+        """The parameters `el` holds gradients at, if it holds gradients."""
         if isinstance(el, cst.Name):
-            return el.value in gradients
-        return visitor.derivative(el) == (False, False)  # `jax.grad(f)(params, x)`
+            return gradients.get(el.value)
+        if isinstance(el, cst.Call) and visitor.derivative(el) == (False, False):
+            return visitor.differentiated(el)  # `jax.grad(f)(params, x)`
+        return None
 
     if isinstance(value, cst.Tuple):
         names: list[str | None] = []
@@ -166,14 +170,16 @@ def _describe_return(node: cst.Return, line: int, visitor: Visitor) -> Return:
                 names.append(None)
             else:
                 names.append(el.value.value if isinstance(el.value, cst.Name) else None)
-                if is_gradient(el.value):
-                    grads.append(i)
-        return Return(line, "tuple", tuple(names), gradients=frozenset(grads))
+                of = gradient_of(el.value)
+                if of:
+                    grads.append((i, tuple(sorted(of))))
+        return Return(line, "tuple", tuple(names), gradients=tuple(grads))
+    of = gradient_of(value)
     return Return(
         line,
         "single",
         (value.value if isinstance(value, cst.Name) else None,),
-        gradients=frozenset({0}) if is_gradient(value) else frozenset(),
+        gradients=((0, tuple(sorted(of))),) if of else (),
     )
 
 

@@ -398,6 +398,17 @@ it into two arguments, or say which it is:
     @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 """
 
+RAW_KEY_OR_PER_STEP = """\
+Calling `{name}` ({where}) with num_steps=2: `{param}` is uint32[2], which is a raw PRNG key \
+(`jax.random.PRNGKey(0)`, the same for every step) or two steps' uint32 values (one per \
+step): autoflat cannot tell which. Say which it is:
+
+    @autoflat.step(num_steps=2, broadcast="{param}")   # a key, the same for every step
+    @autoflat.step(num_steps=2, per_step="{param}")    # one value per step
+
+(or use a typed key, `jax.random.key(0)`, which is never taken for per-step data)
+"""
+
 SHORT_FIRST_CHUNK = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: no argument has a leading axis of \
 {num_steps}, and every array of `{param}` has a leading axis of {length}. This first call is \

@@ -50,6 +50,7 @@ from ._analysis import Analysis, Return
 from ._errors import (
     MIXED_ARGUMENT,
     NNX_NOT_PYTREE,
+    RAW_KEY_OR_PER_STEP,
     STATE_NOT_MATCHED,
     STATE_POSITION,
     UNHASHABLE_STATIC,
@@ -231,9 +232,7 @@ def infer(
             set(state_at.values()) == {0} and all(same_value(values[p], out) for p in state_at)
         ):
             unpacked = len(out)
-            first = dataclasses.replace(
-                first, kind="tuple", names=(None,) * unpacked, gradients=frozenset()
-            )
+            first = dataclasses.replace(first, kind="tuple", names=(None,) * unpacked, gradients=())
     arity = 0 if first is None or first.kind == "none" else len(first.names)
     for p, pos in state_at.items():
         if pos >= arity:
@@ -250,10 +249,7 @@ def infer(
         matched[p] = (pos, f"state= at return position {pos}")
     open_positions = []
     if first is not None and first.kind != "none":
-        # Gradients (`return loss, grads` after `jax.value_and_grad`) are no parameter's new
-        # value: at num_steps > 1 carrying them as params trained on the gradients.
         taken = set(returned_at.values()) | set(state_at.values())
-        taken |= {pos for r in analysis.returns for pos in r.gradients}
         open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
     pending = [p for p in candidates if p not in matched]
     # Python numbers static with num_steps > 1, which a return may give back changed.
@@ -303,6 +299,14 @@ def infer(
                 )
             )
 
+        # Gradients (`return loss, grads` after `jax.value_and_grad(loss)(params, x)`) are
+        # not the new value of the parameters they are taken at: at num_steps > 1 carrying
+        # them as params trained on the gradients. A previous gradient may be state.
+        gradients: dict[int, set[str]] = {}
+        for r in analysis.returns:
+            for pos, at in r.gradients:
+                gradients.setdefault(pos, set()).update(at)
+
         def settle(returned: Return, outs: list[Any], positions: list[int]) -> Any:
             # Python counters first (they take a place among the parameters only if carried),
             # then the candidates by value.
@@ -312,8 +316,17 @@ def infer(
             places = _matching.places([p for p in params if p in carried or p in found], returned)
             by_value = _matching.match(
                 analysis, params, values, pending, left, outs, declared, places,
-                alike(returned), flow_of(returned), returned.names,
+                alike(returned), flow_of(returned), returned.names, gradients,
             )  # fmt: skip
+            instance = options.instance
+            if (
+                instance in by_value
+                and instance not in flow_of(returned)()[by_value[instance][0]][1]
+            ):
+                # A method's instance only where some leaf is its own, or computed by an
+                # operation taking its own arrays (`self.replace(w=self.w - g)`), not for
+                # gradients alike it (`return loss, self.loss_and_grad(x)[1]`).
+                del by_value[instance]
             return found, by_value
 
         counters, by_value = settle(first, outputs, open_positions)
@@ -323,9 +336,7 @@ def infer(
             # the step returned them one by one; only where the step's data flow says so
             # (some item's last operation takes its parameter's own arrays, `p + u`), not for
             # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params.
-            each = dataclasses.replace(
-                first, kind="tuple", names=(None,) * len(out), gradients=frozenset()
-            )
+            each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out), gradients=())
             if isinstance(out, dict):
                 names = tuple(k if isinstance(k, str) else None for k in out)
                 each = dataclasses.replace(each, names=names, keys=tuple(out))
@@ -472,8 +483,8 @@ def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role,
         and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
     ):
         # A raw `jax.random.PRNGKey` (uint32[2]) has a leading axis of 2: sliced per step, each
-        # step got one uint32 and JAX's key check failed. Two steps' raw keys are (2, 2).
-        return "broadcast", "a raw PRNG key (uint32[2]), the same every step"
+        # step got one uint32 and JAX's key check failed; but it may be two steps' counts.
+        return error(ShapeError, RAW_KEY_OR_PER_STEP, analysis, param=p)
     arrays = [x for x in leaves if is_array(x)]
     with_axis = [x for x in arrays if np.ndim(x) >= 1 and np.shape(x)[0] == num_steps]
     if arrays and len(with_axis) == len(leaves):

@@ -38,13 +38,15 @@ def match(
     alike: Callable[..., dict[str, tuple[int, str]] | None],
     flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
     names: tuple[str | None, ...],
+    gradients: dict[int, set[str]],
 ) -> dict[str, tuple[int, str]]:
     """Return positions matched to candidate parameters by abstract value.
 
     `place` (`_places`) gives the parameters that could be state their own return position:
     a bare array may only match there, and only where the step's data flow (`flow`, per
     position: the parameters it is computed from, those the last operation takes) says it
-    could be its new value (`bare_at_place`). `alike(left, spots, fits)` settles several
+    could be its new value (`bare_at_place`); never where it returns gradients taken at it
+    (`gradients`). `alike(left, spots, fits)` settles several
     parameters alike over as many positions (`settle_alike`), or returns None."""
     if not outputs:
         return {}
@@ -55,6 +57,7 @@ def match(
             pos
             for pos in positions
             if (not bare or p in declared or pos == place.get(p))
+            and p not in gradients.get(pos, ())
             and same_value(values[p], outputs[pos])
         ]
         if bare and p not in declared and not is_key(values[p]) and fits[p]:

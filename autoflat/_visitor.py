@@ -51,7 +51,8 @@ def _dotted(node: cst.BaseExpression) -> list[str]:
 
 
 def _transformation(node: cst.BaseExpression) -> tuple[bool, bool] | None:
-    """(gives the value too, has_aux) if `node` is `jax.grad(f, ...)` or one of its kin."""
+    """(gives the value too, has_aux) if `node` is `jax.grad(f, ...)` or one of its kin; None
+    also where `has_aux` cannot be read (`*args`, `**kwargs`)."""
     if not isinstance(node, cst.Call):
         return None
     name = _dotted(node.func)
@@ -59,24 +60,38 @@ def _transformation(node: cst.BaseExpression) -> tuple[bool, bool] | None:
         return None
     if len(name) > 1 and name[0] not in _DERIVATIVE_MODULES:
         return None
-    aux = any(
-        a.keyword is not None
-        and a.keyword.value == "has_aux"
-        and not (isinstance(a.value, cst.Name) and a.value.value == "False")
-        for a in node.args
-    )
+    if any(a.star for a in node.args):
+        return None
+    positional = [a for a in node.args if a.keyword is None]
+    aux_args = [a for a in node.args if a.keyword is not None and a.keyword.value == "has_aux"]
+    if len(positional) >= 3 and not name[-1].startswith("filter_"):
+        aux_args.append(positional[2])  # jax.grad(fun, argnums, has_aux)
+    aux = any(not (isinstance(a.value, cst.Name) and a.value.value == "False") for a in aux_args)
     return "value" in name[-1], aux
 
 
-def _gradient_targets(target: cst.BaseExpression, value: bool, aux: bool) -> cst.BaseExpression:
+def _gradient_targets(
+    target: cst.BaseExpression, value: bool, aux: bool
+) -> cst.BaseExpression | None:
     """The part of an assignment's target that receives the gradients of a call of a
     transformation (`value`: it gives `(value, grads)`; `aux`: `grads` is `(grads, aux)`, or
-    for `value_and_grad` the value is `(value, aux)`)."""
+    for `value_and_grad` the value is `(value, aux)`), or None."""
     if value or aux:
         if not isinstance(target, (cst.Tuple, cst.List)) or len(target.elements) != 2:
-            return cst.Tuple([])
+            return None
         return target.elements[1 if value else 0].value
     return target
+
+
+def _names(target: cst.BaseExpression | None) -> list[str]:
+    """The names a target binds (`a`, `(a, (b, *c))`)."""
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for el in target.elements for n in _names(el.value)]
+    if isinstance(target, cst.StarredElement):
+        return _names(target.value)
+    return []
 
 
 class Visitor(cst.CSTVisitor):
@@ -105,11 +120,14 @@ class Visitor(cst.CSTVisitor):
         self.attribute_reads: set[tuple[str, str]] = set()
         self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
-        # Names of the own scope: bound to a transformation (`grad_fn = jax.grad(f)`), bound
-        # to gradients, bound otherwise. `gradients()` gives those only ever gradients.
-        self.transformations: dict[str, tuple[bool, bool]] = {}
-        self.gradient_names: set[str] = set()
-        self.other_names: set[str] = {p.name.value for p in self.params}
+        # The own scope's assignments (targets, value) in order, and how many times each name
+        # is bound there: `gradients()` reads them once the whole body is seen.
+        self.assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]] = []
+        self.bindings: dict[str, int] = {}
+        # Per call of the own scope, the parameters among its arguments (`differentiated`).
+        self.takes: dict[cst.Call, frozenset[str]] = {}
+        for p in self.params:
+            self._count(p.name)
 
     def _line(self, node: cst.CSTNode) -> int:
         return self.get_metadata(meta.PositionProvider, node).start.line
@@ -121,32 +139,57 @@ class Visitor(cst.CSTVisitor):
             scope = scope.parent
         return scope is not None and scope is self.scope
 
+    def transformations(self) -> dict[str, tuple[bool, bool]]:
+        """Names bound once, to a transformation (`grad_fn = jax.value_and_grad(f)`)."""
+        found = {}
+        for targets, value in self.assignments:
+            made = _transformation(value)
+            for t in targets:
+                if made is not None and isinstance(t, cst.Name):
+                    if self.bindings.get(t.value) == 1:
+                        found[t.value] = made
+        return found
+
     def derivative(self, node: cst.BaseExpression) -> tuple[bool, bool] | None:
         """(gives the value too, has_aux) if `node` calls a transformation's function:
         `jax.grad(f)(p, x)`, or `grad_fn(p, x)` after `grad_fn = jax.value_and_grad(f)`."""
         if not isinstance(node, cst.Call):
             return None
-        if isinstance(node.func, cst.Name) and node.func.value in self.transformations:
-            return self.transformations[node.func.value]
+        if isinstance(node.func, cst.Name):
+            made = self.transformations().get(node.func.value)
+            if made is not None:
+                return made
         return _transformation(node.func)
 
-    def gradients(self) -> frozenset[str]:
-        """The names of the own scope that every binding binds to gradients."""
-        return frozenset(self.gradient_names - self.other_names)
+    def differentiated(self, node: cst.Call) -> frozenset[str]:
+        """The parameters a call of a transformation's function takes (`grad_fn(params, x)`,
+        `jax.grad(f)(state.params)`): its gradients are the new value of none of them."""
+        return self.takes.get(node, frozenset())
 
-    def _bind(self, target: cst.BaseExpression, into: set[str]) -> None:
-        if isinstance(target, cst.Name):
-            into.add(target.value)
-        elif isinstance(target, (cst.Tuple, cst.List)):
-            for el in target.elements:
-                self._bind(el.value, into)
-        elif isinstance(target, cst.StarredElement):
-            self._bind(target.value, into)
+    def gradients(self) -> dict[str, frozenset[str]]:
+        """The names of the own scope that every binding binds to gradients, each with the
+        parameters they are gradients at."""
+        counts: dict[str, int] = {}
+        of: dict[str, frozenset[str]] = {}
+        for targets, value in self.assignments:
+            derivative = self.derivative(value)
+            if derivative is None or not isinstance(value, cst.Call):
+                continue
+            taken = self.differentiated(value)
+            for t in targets:
+                for n in _names(_gradient_targets(t, *derivative)):
+                    counts[n] = counts.get(n, 0) + 1
+                    of[n] = of.get(n, frozenset()) | taken
+        return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}
+
+    def _count(self, target: cst.BaseExpression | None) -> None:
+        for n in _names(target):
+            self.bindings[n] = self.bindings.get(n, 0) + 1
 
     def _bound(self, node: cst.CSTNode, target: cst.BaseExpression) -> None:
-        """Names bound in the own scope by `target`, otherwise than to gradients."""
+        """Names bound in the own scope by `target`."""
         if self._own(node):
-            self._bind(target, self.other_names)
+            self._count(target)
 
     def _parameter(self, node: cst.BaseExpression) -> str | None:
         """The parameter that the attribute/subscript chain `node` starts from, if any."""
@@ -218,24 +261,11 @@ class Visitor(cst.CSTVisitor):
     def visit_Assign(self, node: cst.Assign) -> None:
         for t in node.targets:
             self._target(t.target, self._line(node))
-        if not self._own(node):
-            return
-        made = _transformation(node.value)
-        derivative = self.derivative(node.value)
-        for t in node.targets:
-            if made is not None and isinstance(t.target, cst.Name):
-                self.transformations[t.target.value] = made
-                self.other_names.add(t.target.value)
-            elif derivative is not None:
-                grads = _gradient_targets(t.target, *derivative)
-                self._bind(grads, self.gradient_names)
-                names: set[str] = set()
-                self._bind(t.target, names)
-                inner: set[str] = set()
-                self._bind(grads, inner)
-                self.other_names |= names - inner
-            else:
-                self._bind(t.target, self.other_names)
+        if self._own(node):
+            targets: list[cst.BaseExpression] = [t.target for t in node.targets]
+            self.assignments.append((targets, node.value))
+            for target in targets:
+                self._count(target)
 
     def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
         self._target(node.target, self._line(node))
@@ -280,6 +310,9 @@ class Visitor(cst.CSTVisitor):
                 self.attribute_reads.add((param, node.attr.value))
 
     def visit_Call(self, node: cst.Call) -> None:
+        if self._own(node):
+            taken = {self._parameter(a.value) for a in node.args}
+            self.takes[node] = frozenset(p for p in taken if p is not None)
         if isinstance(node.func, cst.Attribute):
             param = self._parameter(node.func.value)
             if param is not None:

@@ -1325,11 +1325,12 @@ def test_gradients_returned_are_never_a_parameters_new_value():
         tree_allclose(jax.tree.map(lambda *a: jnp.concatenate(a), *outs), stacked, rtol=1e-6)
 
 
-def test_a_raw_key_at_two_steps_a_call_is_broadcast():
+def test_a_raw_key_at_two_steps_a_call_is_asked_about():
     """A raw `jax.random.PRNGKey(0)` (uint32[2]) passed beside per-step inputs at
     num_steps=2 has a leading axis of 2: it was sliced per step, and JAX raised 'invalid PRNG
-    key data' with nothing from autoflat. It is broadcast, as at any other num_steps; a
-    typed key array of two keys is still two steps' keys."""
+    key data' with nothing from autoflat. It may also be two steps' uint32 counts, so a
+    ShapeError asks; `broadcast=` then trains as jax.jit does. A typed key array of two keys
+    is two steps' keys."""
 
     def update(w, x, rng):
         noise = jax.random.normal(jax.random.fold_in(rng, 0), w.shape)
@@ -1337,15 +1338,95 @@ def test_a_raw_key_at_two_steps_a_call_is_broadcast():
 
     rng = jax.random.PRNGKey(0)
     xs = _batches(4)
+    with pytest.raises(autoflat.ShapeError, match='broadcast="rng"'):
+        autoflat.step(update, num_steps=2)(jnp.zeros(3), xs[:2], rng)
     state, _ = _reference(update, (jnp.zeros(3),), (xs,), 4, (rng,))
-    step = autoflat.step(update, num_steps=2)
+    step = autoflat.step(update, num_steps=2, broadcast="rng")
     got, _ = _run(step, (jnp.zeros(3),), (xs,), 4, 2, (rng,))
-    assert "# rng: broadcast (a raw PRNG key (uint32[2]), the same every step)" in autoflat.show(
-        step
-    )
     tree_allclose(got, state, rtol=1e-6)
 
     keys = jax.random.split(jax.random.key(1), 2)
     step = autoflat.step(update, num_steps=2)
     step(jnp.zeros(3), xs[:2], keys)
     assert "# rng: scanned" in autoflat.show(step)
+
+
+def test_gradients_at_other_parameters_may_be_state():
+    """Review cases of the gradient rule, each against a jax.jit loop at num_steps=4: a
+    gradient is the new value of no parameter it is taken at, but it may be another's (a
+    carried previous gradient, `return params, g` for `prev_g`); a return in another branch
+    giving gradients does not close that position to momentum; `has_aux` passed by position
+    (`jax.grad(f, 0, True)`) is read; a name rebound from a transformation to another
+    function (`f = jax.grad(loss)`, later `f = sgd`) makes no gradients of what it gives."""
+
+    def loss(p, x):
+        return jnp.sum((p["w"] * x - 1.0) ** 2)
+
+    def sgd(p, g):
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    def previous(params, prev_g, x):
+        g = jax.grad(loss)(params, x)
+        d = jax.tree.map(lambda a, b: a + 0.5 * b, g, prev_g)
+        params = sgd(params, d)
+        return params, g
+
+    def branches(params, prev_m, x, warm=False):
+        g = jax.grad(loss)(params, x)
+        if warm:
+            return params, g
+        m = jax.tree.map(lambda a, b: 0.9 * a + b, prev_m, g)
+        new_params = sgd(params, m)
+        return new_params, m
+
+    def aux(params, stats, x):
+        def loss_fn(p):
+            return loss(p, x), {"w": 0.9 * stats["w"] + 0.1 * x}
+
+        grads, new_stats = jax.grad(loss_fn, 0, True)(params)
+        new_params = sgd(params, grads)
+        return new_params, new_stats
+
+    def rebound(params, other, x):
+        f = jax.grad(loss)
+        g = f(params, x)
+        f = sgd
+        new_params = f(params, g)
+        return new_params, f(other, g)
+
+    xs = _batches(8)
+    for fn in (previous, branches, aux, rebound):
+        start = ({"w": jnp.arange(3.0)}, {"w": jnp.ones(3)})
+        state, _ = _reference(fn, start, (xs,), 8)
+        step = autoflat.step(fn, num_steps=K)
+        got, _ = _run(step, start, (xs,), 8, K)
+        second = fn.__code__.co_varnames[1]
+        assert f"# {second}: state (matched by value" in autoflat.show(step), fn.__name__
+        tree_allclose(got, state, rtol=1e-6)
+
+
+def test_a_method_steps_self_is_not_matched_to_gradients_alike_it():
+    """A pytree agent's method returning `loss, grads` through a helper method (no gradient
+    transformation in the step's own source): the gradients have `self`'s abstract value, and
+    `self` was matched to them, so at num_steps=4 each step took its gradients at the last
+    step's gradients. `self` is matched only where some leaf is its own or computed by an
+    operation taking its own arrays."""
+    struct = pytest.importorskip("flax.struct")
+
+    class Agent(struct.PyTreeNode):
+        w: jax.Array
+
+        def loss_and_grad(self, x):
+            return jax.value_and_grad(lambda a: jnp.sum((a.w * x - 1.0) ** 2))(self)
+
+        def grads(self, x):
+            loss, g = self.loss_and_grad(x)
+            return loss, g
+
+    agent = Agent(jnp.arange(3.0))
+    xs = _batches(K)
+    ref = [jax.jit(Agent.grads)(agent, x)[1].w for x in xs]
+    step = autoflat.step(Agent.grads, num_steps=K)
+    _, got = step(agent, xs)
+    np.testing.assert_allclose(got.w, jnp.stack(ref), rtol=1e-6)
+    assert "# self: broadcast" in autoflat.show(step)
