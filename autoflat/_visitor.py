@@ -33,8 +33,8 @@ _IN_PLACE_METHODS = frozenset(
 # Methods that only take entries out of a dict or a list (`batch.pop("labels")`).
 _REMOVING_METHODS = frozenset({"pop", "popitem", "clear", "remove", "__delitem__"})
 
-# Transformations whose function gives derivatives: `jax.grad(f)(params, x)` is never a
-# parameter's new value, however alike their abstract values. A bare name (`from jax import
+# Transformations whose function gives derivatives: `jax.grad(f)(params, x)` is not the new
+# value of `params`, however alike their abstract values. A bare name (`from jax import
 # grad`) counts only where it is called as a transformation, `grad(f)(...)`.
 _DERIVATIVES = frozenset({"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"})
 _DERIVATIVE_MODULES = frozenset({"jax", "eqx", "equinox", "nnx", "flax"})
