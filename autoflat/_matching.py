@@ -46,8 +46,8 @@ def match(
     a bare array may only match there, and only where the step's data flow (`flow`, per
     position: the parameters it is computed from, those the last operation takes) says it
     could be its new value (`bare_at_place`); never where it returns gradients taken at it
-    (`gradients`). `alike(left, spots, fits)` settles several
-    parameters alike over as many positions (`settle_alike`), or returns None."""
+    (`gradients`). `alike(left, spots, fits)` settles several parameters alike over as many
+    positions (`settle_alike`), or returns None."""
     if not outputs:
         return {}
     fits: dict[str, list[int]] = {}
