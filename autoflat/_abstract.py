@@ -134,11 +134,40 @@ def flows(
     are computed from, and those whose own arrays are operands of the last operation making
     them (`p + u`), read off the step's jaxpr. The first is an over-approximation: every
     output of an operation counts as computed from all of its inputs."""
-    return _traced_on_failure(
-        lambda scalars: _flows(fn, params, values, roles, num_steps, split, scalars),
-        values,
-        roles,
-    )
+
+    def attempt(scalars: frozenset[str]) -> list[tuple[frozenset[str], frozenset[str]]]:
+        parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
+        counts: list[int] = []
+
+        def one_step(arrays: list[list[Any]]) -> Any:
+            args = _arguments(parts, arrays)
+            outs = []
+            for item in split(call(args)):
+                traced = [
+                    x for x in jax.tree_util.tree_leaves(item) if isinstance(x, jax.core.Tracer)
+                ]
+                counts.append(len(traced))
+                outs += traced
+            return outs
+
+        inputs = [[] if rebuild is None else a for rebuild, a in parts]
+        jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
+        owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
+        sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
+        result = []
+        at = 0
+        for n in counts:
+            span = range(at, at + n)
+            at += n
+            result.append(
+                (
+                    _NONE.union(*(sources[i] for i in span)),
+                    _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
+                )
+            )
+        return result
+
+    return _traced_on_failure(attempt, values, roles)
 
 
 def _traced_on_failure(
@@ -168,45 +197,6 @@ def _traced_on_failure(
             except Exception:
                 continue
         raise first from None
-
-
-def _flows(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-    split: Callable[[Any], list[Any]],
-    scalars: frozenset[str],
-) -> list[tuple[frozenset[str], frozenset[str]]]:
-    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
-    counts: list[int] = []
-
-    def one_step(arrays: list[list[Any]]) -> Any:
-        args = _arguments(parts, arrays)
-        outs = []
-        for item in split(call(args)):
-            traced = [x for x in jax.tree_util.tree_leaves(item) if isinstance(x, jax.core.Tracer)]
-            counts.append(len(traced))
-            outs += traced
-        return outs
-
-    inputs = [[] if rebuild is None else a for rebuild, a in parts]
-    jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
-    owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
-    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
-    result = []
-    at = 0
-    for n in counts:
-        span = range(at, at + n)
-        at += n
-        result.append(
-            (
-                _NONE.union(*(sources[i] for i in span)),
-                _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
-            )
-        )
-    return result
 
 
 _NONE: frozenset[str] = frozenset()
@@ -310,57 +300,46 @@ def eval_one_step(
     there as (key path, leaf) pairs, abstract where traced. The Python numbers inside state
     and broadcast arguments stay Python numbers, unless the step raises on them
     (`_traced_on_failure`)."""
-    return _traced_on_failure(
-        lambda scalars: _eval_one_step(fn, params, values, roles, num_steps, after, scalars),
-        values,
-        roles,
-    )
 
+    def attempt(scalars: frozenset[str]) -> Any:
+        parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
+        found: dict[str, Any] = {}
 
-def _eval_one_step(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-    after: dict[str, Any] | None,
-    scalars: frozenset[str],
-) -> Any:
-    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
-    found: dict[str, Any] = {}
+        def one_step(arrays: list[list[Any]]) -> Any:
+            args = _arguments(parts, arrays)
+            # Only traced values leave the evaluation; the rest (Python values, constants) are
+            # kept as they are, so a Python scalar returned unchanged stays one.
+            leaves, treedef = jax.tree_util.tree_flatten(call(args))
+            found["treedef"] = treedef
+            found["n"] = len(leaves)
+            found["lengths"] = []
+            found["paths"] = []
+            for p in after or ():
+                pairs = jax.tree_util.tree_leaves_with_path(args[params.index(p)])
+                paths = [path for path, _ in pairs]
+                changed = [x for _, x in pairs]
+                found["lengths"].append(len(changed))
+                found["paths"].append(paths)
+                leaves += changed
+            found["leaves"] = leaves
+            traced = [isinstance(x, jax.core.Tracer) for x in leaves]
+            found["traced"] = traced
+            return [x for x, t in zip(leaves, traced, strict=True) if t]
 
-    def one_step(arrays: list[list[Any]]) -> Any:
-        args = _arguments(parts, arrays)
-        # Only traced values leave the evaluation; the rest (Python values, constants) are
-        # kept as they are, so a Python scalar returned unchanged stays one.
-        leaves, treedef = jax.tree_util.tree_flatten(call(args))
-        found["treedef"] = treedef
-        found["n"] = len(leaves)
-        found["lengths"] = []
-        found["paths"] = []
-        for p in after or ():
-            pairs = jax.tree_util.tree_leaves_with_path(args[params.index(p)])
-            paths = [path for path, _ in pairs]
-            changed = [x for _, x in pairs]
-            found["lengths"].append(len(changed))
-            found["paths"].append(paths)
-            leaves += changed
-        found["leaves"] = leaves
-        traced = [isinstance(x, jax.core.Tracer) for x in leaves]
-        found["traced"] = traced
-        return [x for x, t in zip(leaves, traced, strict=True) if t]
+        abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
+        leaves = [
+            next(abstract) if t else x
+            for x, t in zip(found["leaves"], found["traced"], strict=True)
+        ]
+        n = found["n"]
+        if after is not None:
+            start = n
+            for p, count, paths in zip(after, found["lengths"], found["paths"], strict=True):
+                after[p] = list(zip(paths, leaves[start : start + count], strict=True))
+                start += count
+        return found["treedef"].unflatten(leaves[:n])
 
-    abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
-    leaves = [
-        next(abstract) if t else x for x, t in zip(found["leaves"], found["traced"], strict=True)
-    ]
-    n = found["n"]
-    if after is not None:
-        start = n
-        for p, count, paths in zip(after, found["lengths"], found["paths"], strict=True):
-            after[p] = list(zip(paths, leaves[start : start + count], strict=True))
-            start += count
-    return found["treedef"].unflatten(leaves[:n])
+    return _traced_on_failure(attempt, values, roles)
 
 
 def positions_of(first: Any, out: Any) -> list[Any]:

@@ -23,10 +23,11 @@ At a step's first call (and again for arguments of other types) `infer` settles 
 - **Python numbers at `num_steps > 1`** are static, unless given back changed at their place
   (a counter `step + 1`): then state, carried as an array.
 - **Python numbers at `num_steps=1`** are traced, as `jax.jit` traces them; one the step needs
-  concrete (a layer size) fails the abstract evaluation and is made static instead.
+  concrete (a layer size) fails the abstract evaluation and is made static instead
+  (`_scalars`).
 - **Python scalars in state that a step changes** (`TrainState.step`, counted up from a
-  Python int) become arrays before the first call (`Inferred.to_array`), so the step compiles
-  once, as under `jax.jit`; scalars a step gives back unchanged stay static.
+  Python int) become arrays before the first call (`Inferred.to_array`, `_scalars`), so the
+  step compiles once, as under `jax.jit`; scalars a step gives back unchanged stay static.
 
 The readings this inference will not choose between (mixed or short leading axes, per-step or
 state?) are errors raised by `_hazards`.
@@ -78,6 +79,7 @@ from ._roles import (
     named_in_some,
     returned_by_name,
 )
+from ._scalars import scalars_to_array, settle_scalars
 from ._structure import is_array
 
 _STATIC_SCALARS = (str, bytes, type(None))
@@ -195,7 +197,7 @@ def infer(
     if num_steps == 1:
         traced = [p for p in open_ if kinds[p][0] == "scanned" and isinstance(values[p], SCALARS)]
         if traced:
-            out = _settle_scalars(fn, params, values, for_eval, kinds, traced)
+            out = settle_scalars(fn, params, values, for_eval, kinds, traced)
 
     # State by abstract value: candidates are open broadcast-like arguments and declared state
     # that is neither returned by name nor assigned into.
@@ -402,7 +404,7 @@ def infer(
     )
     roles = assign_roles(analysis, options, mutable, run_time)
     positions = {**{p: pos for p, (pos, _) in matched.items()}, **returned_at}
-    to_array = _to_array(fn, roles, values, positions, for_eval, num_steps, out, first)
+    to_array = scalars_to_array(fn, roles, values, positions, for_eval, num_steps, out, first)
     return Inferred(roles, to_array)
 
 
@@ -421,49 +423,6 @@ def _candidate(kind: tuple[Role, str] | None, value: Any, num_steps: int) -> boo
     if num_steps > 1:
         return kind[0] == "broadcast"
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
-
-
-# What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).
-_NEEDS_CONCRETE = (
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerBoolConversionError,
-    TypeError,
-)
-
-
-def _settle_scalars(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    for_eval: dict[str, Role],
-    kinds: dict[str, tuple[Role, str]],
-    scalars: list[str],
-) -> Any:
-    """With num_steps=1, Python scalars are traced, as `jax.jit` traces them (a step counter
-    compiles once). One the step needs as a concrete value (a layer size, a Python branch)
-    fails to trace: it is made static, as `static_argnames` or `eqx.filter_jit` would (each
-    value then compiles once). Returns one step's abstract output."""
-    try:
-        return eval_one_step(fn, params, values, for_eval, 1)
-    except _NEEDS_CONCRETE as e:
-        failure: Exception = e
-    trials = [[p] for p in scalars] + ([scalars] if len(scalars) > 1 else [])
-    for trial in trials:
-        roles = {**for_eval, **dict.fromkeys(trial, "static")}
-        try:
-            out = eval_one_step(fn, params, values, roles, 1)  # type: ignore[arg-type]
-        except _NEEDS_CONCRETE:
-            continue
-        for p in trial:
-            for_eval[p] = "static"
-            kinds[p] = (
-                "static",
-                f"a Python {type(values[p]).__name__} the step needs as a concrete value "
-                f"(traced, it raised {type(failure).__name__}): static, as with static_argnames",
-            )
-        return out
-    raise failure
 
 
 def _kind(analysis: Analysis, p: str, value: Any, num_steps: int) -> tuple[Role, str] | Exception:
@@ -522,61 +481,6 @@ def _defaulted(fn: Callable[..., Any], values: dict[str, Any]) -> set[str]:
         and values[p.name] is p.default
         and jax.tree_util.tree_leaves(p.default)
     }
-
-
-def _to_array(
-    fn: Callable[..., Any],
-    roles: Roles,
-    values: dict[str, Any],
-    positions: dict[str, int],
-    for_eval: dict[str, Role],
-    num_steps: int,
-    out: Any,
-    first: Return | None,
-) -> tuple[tuple[int, ...], ...]:
-    """Per state position, the leaves that are Python scalars going in and come out as arrays
-    or as other values (`step + 1` on a Python int): left static, they would change the state's
-    structure every step. Scalars that come back unchanged stay static. "Come out": returned,
-    or, for a dict changed in place, as the step leaves it.
-
-    A Flax NNX object written back has all its Python scalar leaves (Variables holding a
-    Python number, such as `Count(0)`) made arrays, changed or not, as `nnx.jit` traces them."""
-    state = roles.state
-    written = set(roles.written_back)
-    leaves = {p: jax.tree_util.tree_leaves(values[p]) for p in state}
-    scalars = {p: [i for i, x in enumerate(leaves[p]) if isinstance(x, SCALARS)] for p in state}
-    nnx = {p for p in written if scalars[p] and is_mutable_module(values[p])}
-    after: dict[str, Any] = {p: None for p in written - nnx if scalars[p]}
-    if not after and not any(scalars[p] for p in positions if p in scalars):
-        return tuple(tuple(scalars[p]) if p in nnx else () for p in state)
-    if out is None or after:
-        out = eval_one_step(fn, roles.params, values, for_eval, num_steps, after or None)
-    outputs = positions_of(first, out)
-    result: list[tuple[int, ...]] = []
-    for p in state:
-        if p in nnx:
-            result.append(tuple(scalars[p]))
-            continue
-        if p in after:
-            outs = after[p]
-        elif p in positions and outputs:
-            outs = jax.tree_util.tree_leaves_with_path(outputs[positions[p]])
-        else:
-            outs = None
-        if not scalars[p] or outs is None:
-            result.append(())
-            continue
-        # Leaves matched by key path: the step may add or drop keys (`d.setdefault(...)`).
-        by_path = dict(outs)
-        ins = jax.tree_util.tree_leaves_with_path(values[p])
-        changed = []
-        for i in scalars[p]:
-            path, x = ins[i]
-            y = by_path.get(path, x)
-            if isinstance(y, jax.ShapeDtypeStruct) or (type(y), y) != (type(x), x):
-                changed.append(i)
-        result.append(tuple(changed))
-    return tuple(result)
 
 
 def _describe(value: Any) -> str:

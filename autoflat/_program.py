@@ -153,7 +153,7 @@ class Plan(NamedTuple):
 
     - `program`: the generated program;
     - `to_array`: per state position, the leaves that are Python scalars at the first call
-      and become arrays (`_infer._to_array`);
+      and become arrays (`_scalars.scalars_to_array`);
     - `firsts`: per state position, the structure of the first call's value (set by that
       call): a later value of the same tree with a Python number where the first had an
       array has it made an array again (`_call._take_state`).
