@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _transport
+from . import _segments, _transport
 from ._nnx import Link
 from ._program import CallSpec
 from ._structure import FlatState, pinned, strongly_typed
@@ -41,23 +41,95 @@ def entry(
     `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static."""
     if note_trace is not None:
         note_trace(spec, (state_leaves, xs, bcast_leaves))
-    state = tuple(
-        FlatState(s, a if layout is None else _transport.unpack(layout, a))
-        for s, a, layout in zip(spec.structures, state_leaves, spec.layouts, strict=True)
-    )
+    if repack and _segmented(spec):
+        leaving, outputs = _segments_entry(spec, state_leaves, xs, bcast_leaves)
+    else:
+        unpacked = tuple(
+            a if layout is None else _transport.unpack(layout, a)
+            for a, layout in zip(state_leaves, spec.layouts, strict=True)
+        )
+        leaving, outputs = _body(spec, unpacked, xs, bcast_leaves)
+        if repack:
+            leaving = tuple(_repacked(spec, k, flat) for k, flat in enumerate(leaving))
+    return flat_result(spec, leaving, outputs) if as_list else (leaving, outputs)
+
+
+def _body(
+    spec: CallSpec, state_leaves: Any, xs: tuple[Any, ...], bcast_leaves: tuple[list[Any], ...]
+) -> tuple[tuple[FlatState, ...], Any]:
+    """The generated function on unpacked leaves: the state as it leaves (not packed), and
+    the outputs."""
+    state = tuple(FlatState(s, a) for s, a in zip(spec.structures, state_leaves, strict=True))
     if spec.links is not None:
         state = _linked(spec.links, state)
     bcast = tuple(FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True))
     with linking():
         state_out, outputs = spec.program.fn(spec, state, xs, bcast)
-    leaving = tuple(_leaving(spec, k, flat, repack) for k, flat in enumerate(state_out))
+    leaving = tuple(_leaving(spec, k, flat) for k, flat in enumerate(state_out))
     if spec.links is not None:
         # A shared Variable's new value leaves once, with the argument it came in with.
         leaving = tuple(
             flat if link is None else FlatState(flat.structure, link.drop(flat.arrays))
             for flat, link in zip(leaving, spec.links, strict=True)
         )
-    return flat_result(spec, leaving, outputs) if as_list else (leaving, outputs)
+    return leaving, outputs
+
+
+def _segmented(spec: CallSpec) -> bool:
+    """Whether the step runs with packed leaves as views (`_segments`): one step a call (a
+    scan takes its carry leaf by leaf) and something packed."""
+    return (
+        SEGMENTS
+        and spec.num_steps == 1
+        and any(layout is not None and layout.groups for layout in spec.layouts)
+    )
+
+
+# `_segments` on (True) or off (the leaves unpacked before the step, as in a scan).
+SEGMENTS = True
+
+
+def _segments_entry(
+    spec: CallSpec,
+    state_leaves: tuple[list[Any], ...],
+    xs: tuple[Any, ...],
+    bcast_leaves: tuple[list[Any], ...],
+) -> tuple[tuple[FlatState, ...], Any]:
+    """`_body` traced to a jaxpr on the unpacked leaves, then evaluated with the packed
+    leaves as views (`_segments`) and the state packed again from them."""
+    args = tuple(
+        a if layout is None else _segments.views(layout, a)
+        for a, layout in zip(state_leaves, spec.layouts, strict=True)
+    )
+    avals = tuple(
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is _segments.View else x for x in a]
+        for a in args
+    )
+    meta: list[Any] = []
+
+    def traced(state_leaves: Any, xs: Any, bcast_leaves: Any) -> Any:
+        leaving, outputs = _body(spec, state_leaves, xs, bcast_leaves)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(outputs)
+        meta.append((leaving, out_tree))
+        return [f.arrays for f in leaving], out_leaves
+
+    closed = jax.make_jaxpr(traced)(avals, xs, bcast_leaves)
+    leaving, out_tree = meta[0]
+    values = _segments.Interpreter().eval(
+        closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((args, xs, bcast_leaves))
+    )
+    packed = []
+    k = 0
+    for j, flat in enumerate(leaving):
+        arrays = values[k : k + len(flat.arrays)]
+        k += len(flat.arrays)
+        layout = _layout_out(spec, j, flat)
+        if layout is None:
+            packed.append(FlatState(flat.structure, [_segments.leaf(x) for x in arrays]))
+        else:
+            packed.append(FlatState(flat.structure, _segments.pack(layout, arrays), layout))
+    outputs = out_tree.unflatten([_segments.leaf(x) for x in values[k:]])
+    return tuple(packed), outputs
 
 
 def flat_result(spec: CallSpec, leaving: tuple[FlatState, ...], outputs: Any) -> Any:
@@ -117,34 +189,44 @@ def relinked(spec: CallSpec, state_out: tuple[FlatState, ...]) -> tuple[FlatStat
     return tuple(out)
 
 
-def _leaving(spec: CallSpec, k: int, flat: FlatState, repack: bool) -> FlatState:
-    """State output `k` as it leaves the program: pinned, strongly typed, packed."""
+def _leaving(spec: CallSpec, k: int, flat: FlatState) -> FlatState:
+    """State output `k` as it leaves the step: pinned and strongly typed (not packed)."""
     placement = spec.placements[k]
-    same = flat.structure is spec.structures[k]
     arrays = flat.arrays
-    if placement is not None and same:
+    if placement is not None and flat.structure is spec.structures[k]:
         arrays = [
             a if s is None else pinned(a, s)
             for a, s in zip(arrays, placement.shardings, strict=True)
         ]
     # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
     # call's input differ from this one's and compile the step again.
-    arrays = [strongly_typed(a) for a in arrays]
+    return FlatState(flat.structure, [strongly_typed(a) for a in arrays])
+
+
+def _layout_out(spec: CallSpec, k: int, flat: FlatState) -> _transport.Layout | None:
+    """The layout state output `k` leaves in (None: a buffer per leaf): its input's, or a
+    new one if the structure changed."""
     written_back = any(j == k for j, _ in spec.program.written_back_idx)
     linked = spec.links is not None and spec.links[k] is not None
     pack = not linked and _transport.mode_for(spec.pack, written_back)
-    if repack and pack and not jax.tree_util.treedef_is_leaf(flat.structure.treedef):
-        # Back into buffers of the same layout (a new one if the structure changed).
-        multi = (
-            [s is not None for s in placement.shardings]
-            if placement is not None and same
-            else [False] * len(arrays)
-        )
-        avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in arrays]
-        layout = _transport.layout_for(avals, multi, pack)
-        if layout is not None:
-            return FlatState(flat.structure, _transport.pack(layout, arrays), layout)
-    return FlatState(flat.structure, arrays)
+    if not pack or jax.tree_util.treedef_is_leaf(flat.structure.treedef):
+        return None
+    placement = spec.placements[k]
+    multi = (
+        [s is not None for s in placement.shardings]
+        if placement is not None and flat.structure is spec.structures[k]
+        else [False] * len(flat.arrays)
+    )
+    avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in flat.arrays]
+    return _transport.layout_for(avals, multi, pack)
+
+
+def _repacked(spec: CallSpec, k: int, flat: FlatState) -> FlatState:
+    """State output `k` packed in its layout."""
+    layout = _layout_out(spec, k, flat)
+    if layout is None:
+        return flat
+    return FlatState(flat.structure, _transport.pack(layout, flat.arrays), layout)
 
 
 # Primitives that run Python on the host while the program runs: it can fail there, after

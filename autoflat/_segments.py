@@ -1,0 +1,450 @@
+"""Elementwise operations on packed leaves, run once on the packed buffer.
+
+A packed state reaches the step as a few 1-D buffers; the step's code works leaf by leaf. An
+optimizer's update applies the same elementwise operation to every leaf (`m * 0.9 + g * 0.1`
+for each of a thousand moments), and cutting each leaf out of its buffer, updating it and
+concatenating it back costs compile time per leaf (docs/performance.md, "Packed transport").
+`run` evaluates the step's jaxpr (traced leaf by leaf, as written) with the leaves of a
+packed buffer as *views*, segments of a buffer not yet cut. An elementwise operation whose
+array operands are views of aligned segments (same shapes, segment by segment) is recorded
+once for the whole run of aligned segments, not per leaf; the per-leaf operands it meets
+(gradients computed leaf by leaf) are concatenated into a buffer of the same segments. Nothing
+is computed until it is needed:
+
+- an operation that is not elementwise (a matmul, a reduction, a scan) gets its leaves cut out
+  and computed leaf by leaf, each from the leaves it depends on: exactly the program the flat
+  transport compiles for that leaf;
+- a packed output whose leaves are runs of one whole computation is that computation's buffer
+  (or a slice of it), computed once for all of them.
+
+Elementwise means that element i of the result depends on element i of each operand only,
+with no parameter naming a shape or a position (`_ELEMENTWISE`); then computing a segment
+inside the whole buffer gives the same values as computing it alone. XLA may fuse the whole
+computation with other operations than the per-leaf one, so results can differ in the last
+bits from the flat transport's. Everything else runs as traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from . import _transport
+
+# Primitives whose result element i depends only on element i of each operand (or on scalar
+# operands), with no parameter that names a shape, an axis or a position.
+_ELEMENTWISE = frozenset(
+    {
+        "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+        "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh",
+        "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt",
+        "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p", "logistic",
+        "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow",
+        "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh",
+        "sqrt", "square", "sub", "tan", "tanh", "xor",
+    }
+)  # fmt: skip
+
+# A whole computation is used for a packed output only when the output takes at least this
+# share of its elements; else its segments are computed leaf by leaf.
+_MIN_SHARE = 0.5
+
+
+class Whole:
+    """A 1-D array cut into segments (`shapes`, at `offsets`), computed when needed; valid
+    on the segments `lo` to `hi` (its `value`, once computed, holds those only)."""
+
+    __slots__ = ("shapes", "offsets", "total", "dtype", "lo", "hi", "value", "cut")
+
+    def __init__(self, shapes: Any, offsets: Any, total: int, dtype: Any, lo: int, hi: int):
+        self.shapes = shapes
+        self.offsets = offsets
+        self.total = total
+        self.dtype = dtype
+        self.lo = lo
+        self.hi = hi
+        self.value: Any = None
+        self.cut: dict[int, Any] = {}  # segment -> that leaf, computed alone
+
+    def end(self, t: int) -> int:
+        """The element offset where segment t ends."""
+        return self.offsets[t + 1] if t + 1 < len(self.offsets) else self.total
+
+    def span(self, lo: int, hi: int) -> tuple[int, int]:
+        """Elements of segments lo to hi, relative to `value`."""
+        base = self.offsets[self.lo]
+        return self.offsets[lo] - base, self.end(hi - 1) - base
+
+    def leaf(self, t: int) -> Any:
+        """Segment t alone."""
+        if t not in self.cut:
+            self.cut[t] = self._leaf(t)
+        return self.cut[t]
+
+    def whole(self) -> Any:
+        """The segments lo to hi, as one 1-D array."""
+        if self.value is None:
+            self.value = self._whole()
+        return self.value
+
+    def _leaf(self, t: int) -> Any:
+        raise NotImplementedError
+
+    def _whole(self) -> Any:
+        raise NotImplementedError
+
+
+class Buffer(Whole):
+    """A packed input buffer."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, group: _transport.Group, buffer: Any):
+        n = len(group.shapes)
+        super().__init__(group.shapes, group.offsets, group.total, group.dtype, 0, n)
+        self.buffer = buffer
+
+    def _leaf(self, t: int) -> Any:
+        n = self.end(t) - self.offsets[t]
+        return _transport._take(self.buffer, self.offsets[t], n, self.shapes[t], self.total)
+
+    def _whole(self) -> Any:
+        return self.buffer
+
+
+class Gathered(Whole):
+    """Leaves computed one by one (the per-leaf operand of a whole operation), concatenated;
+    a segment no leaf was given for is zeros (its result is never read)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, like: Whole, lo: int, hi: int):
+        super().__init__(like.shapes, like.offsets, like.total, None, lo, hi)
+        self.parts: dict[int, Any] = {}
+
+    def _leaf(self, t: int) -> Any:
+        return self.parts[t]
+
+    def _whole(self) -> Any:
+        parts = []
+        t = self.lo
+        while t < self.hi:
+            if t in self.parts:
+                parts.append(jax.lax.reshape(self.parts[t], (self.end(t) - self.offsets[t],)))
+                t += 1
+                continue
+            start = t
+            while t < self.hi and t not in self.parts:
+                t += 1
+            parts.append(jax.numpy.zeros((self.end(t - 1) - self.offsets[start],), self.dtype))
+        if len(parts) == 1:
+            return parts[0]
+        return _transport._concatenate(parts)
+
+
+class Op(Whole):
+    """An elementwise primitive applied to whole operands: (`Whole`, segment shift) pairs,
+    `Gathered` leaves (shift 0), or scalars shared by every segment."""
+
+    __slots__ = ("prim", "params", "operands")
+
+    def __init__(self, prim: Any, params: dict[str, Any], operands: list[Any], like: Whole,
+                 lo: int, hi: int, dtype: Any):  # fmt: skip
+        super().__init__(like.shapes, like.offsets, like.total, dtype, lo, hi)
+        self.prim = prim
+        self.params = params
+        self.operands = operands
+
+    def _leaf(self, t: int) -> Any:
+        args = [
+            x[0].leaf(t + x[1]) if type(x) is tuple else x.leaf(t) if isinstance(x, Whole) else x
+            for x in self.operands
+        ]
+        return self.prim.bind(*args, **self.params)
+
+    def _whole(self) -> Any:
+        args = []
+        for x in self.operands:
+            if type(x) is tuple:
+                w, shift = x
+                a, b = w.span(self.lo + shift, self.hi + shift)
+                value = w.whole()
+                args.append(value if (a, b) == (0, value.shape[0]) else value[a:b])
+            elif isinstance(x, Whole):
+                args.append(x.whole())
+            else:
+                args.append(x)
+        return self.prim.bind(*args, **self.params)
+
+
+class View:
+    """Leaf `t` of a `Whole`, not cut out yet."""
+
+    __slots__ = ("whole", "t")
+
+    def __init__(self, whole: Whole, t: int):
+        self.whole = whole
+        self.t = t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.whole.shapes[self.t])
+
+    @property
+    def dtype(self) -> Any:
+        return self.whole.dtype
+
+    def leaf(self) -> Any:
+        return self.whole.leaf(self.t)
+
+
+class _Same:
+    """An object compared by identity (a tracer in a memo key)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+
+def _scalar_key(x: Any) -> Any:
+    if isinstance(x, jax.core.Tracer):
+        return _Same(x)
+    a = np.asarray(x)
+    return (a.dtype.str, a.tobytes())
+
+
+class Interpreter:
+    """Evaluates jaxprs with views (see the module doc); one per traced step."""
+
+    def __init__(self) -> None:
+        # (primitive, params, operand keys) -> the whole operations recorded for it
+        self.memo: dict[Any, list[tuple[Op, list[Gathered]]]] = {}
+        # (whole, other whole, shift) -> per segment of the first, where its aligned run starts
+        # and ends
+        self.runs: dict[Any, tuple[list[int], list[int]]] = {}
+
+    def eval(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            outs = None
+            if any(type(x) is View for x in invals):
+                if eqn.primitive.name in _ELEMENTWISE:
+                    out = self._elementwise(eqn, invals)
+                    outs = None if out is None else [out]
+                elif _inlinable(eqn):
+                    inner = eqn.params["jaxpr"]
+                    outs = self.eval(inner.jaxpr, inner.consts, invals)
+            if outs is None:
+                invals = [x.leaf() if type(x) is View else x for x in invals]
+                params = eqn.primitive.get_bind_params(eqn.params)
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _elementwise(self, eqn: Any, invals: list[Any]) -> View | None:
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if not shape:
+            return None  # a scalar leaf: a scalar operand could be its own or shared
+        try:
+            params = tuple(sorted(eqn.params.items()))
+            hash(params)
+        except TypeError:
+            return None
+        if eqn.params.get("sharding") is not None:
+            return None
+        base = next(x for x in invals if type(x) is View)
+        t = base.t
+        keys: list[Any] = []
+        for x in invals:
+            if type(x) is View:
+                if tuple(x.whole.shapes[x.t]) != shape:
+                    return None
+                keys.append((_Same(x.whole), x.t - t))
+            elif not np.shape(x):
+                keys.append(("scalar", _scalar_key(x)))
+            elif tuple(np.shape(x)) == shape:
+                keys.append("leaf")
+            else:
+                return None
+        key = (eqn.primitive, params, tuple(keys))
+        for op, gathered in self.memo.get(key, ()):
+            if op.lo <= t < op.hi and all(t not in g.parts for g in gathered):
+                break
+        else:
+            op, gathered = self._record(eqn, invals, base, params)
+            self.memo.setdefault(key, []).append((op, gathered))
+        it = iter(gathered)
+        for x in invals:
+            if type(x) is not View and np.shape(x):
+                next(it).parts[t] = x
+        return View(op, t)
+
+    def _record(
+        self, eqn: Any, invals: list[Any], base: View, params: tuple[Any, ...]
+    ) -> tuple[Op, list[Gathered]]:
+        """A whole operation for `eqn` over the run of segments aligned around base's."""
+        t, w = base.t, base.whole
+        lo, hi = max(w.lo, 0), w.hi
+        for x in invals:
+            if type(x) is View:
+                a, b = self._aligned(w, x.whole, x.t - t)
+                lo, hi = max(lo, a[t]), min(hi, b[t])
+        operands: list[Any] = []
+        gathered = []
+        for x in invals:
+            if type(x) is View:
+                operands.append((x.whole, x.t - t))
+            elif np.shape(x):
+                g = Gathered(w, lo, hi)
+                g.dtype = x.dtype
+                gathered.append(g)
+                operands.append(g)
+            else:
+                operands.append(x)
+        dtype = eqn.outvars[0].aval.dtype
+        return Op(eqn.primitive, dict(params), operands, w, lo, hi, dtype), gathered
+
+    def _aligned(self, w: Whole, other: Whole, shift: int) -> tuple[list[int], list[int]]:
+        """Per segment t of w: the run of segments around it where segment t + shift of
+        `other` is valid and of the same shape (start, end)."""
+        key = (_Same(w), _Same(other), shift)
+        if key not in self.runs:
+            n = len(w.shapes)
+            ok = [
+                other.lo <= s + shift < other.hi and w.shapes[s] == other.shapes[s + shift]
+                for s in range(n)
+            ]
+            starts, ends = [0] * n, [0] * n
+            start = 0
+            for s in range(n):
+                if not ok[s]:
+                    start = s + 1
+                starts[s] = start
+            end = n
+            for s in reversed(range(n)):
+                if not ok[s]:
+                    end = s
+                ends[s] = end
+            self.runs[key] = (starts, ends)
+        return self.runs[key]
+
+
+def _inlinable(eqn: Any) -> bool:
+    """A nested `jax.jit` with nothing but its function: evaluated in place."""
+    if eqn.primitive.name not in ("jit", "pjit") or eqn.effects:
+        return False
+    params = eqn.params
+    if not isinstance(params.get("jaxpr"), ClosedJaxpr) or params.get("compiler_options_kvs"):
+        return False
+    shardings = tuple(params.get("in_shardings", ())) + tuple(params.get("out_shardings", ()))
+    return all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
+
+
+def leaf(x: Any) -> Any:
+    """A value as an array (a view cut out)."""
+    return x.leaf() if type(x) is View else x
+
+
+def views(layout: _transport.Layout, buffers: Sequence[Any]) -> list[Any]:
+    """A packed state's leaves: its single buffers, and views of its packed buffers."""
+    arrays: list[Any] = [None] * layout.n_leaves
+    for i, b in zip(layout.singles, buffers, strict=False):
+        arrays[i] = b
+    for g, buf in zip(layout.groups, buffers[len(layout.singles) :], strict=True):
+        whole = Buffer(g, buf)
+        for t, i in enumerate(g.indices):
+            arrays[i] = View(whole, t)
+    return arrays
+
+
+def pack(layout: _transport.Layout, values: Sequence[Any]) -> list[Any]:
+    """`_transport.pack` of values that may be views: a run of a packed buffer's leaves that
+    are consecutive segments of one whole computation is a slice of it."""
+    out = [leaf(values[i]) for i in layout.singles]
+    for g in layout.groups:
+        items = [values[i] for i in g.indices]
+        runs = _runs(items)
+        used: dict[int, int] = {}
+        for start, stop in runs:
+            w, t = items[start].whole, items[start].t
+            a, b = w.span(t, t + stop - start)
+            used[id(w)] = used.get(id(w), 0) + b - a
+        parts: list[Any] = []
+        whole_parts = 0
+        k = 0
+        for start, stop in runs + [(len(items), len(items))]:
+            parts.extend(_flat(leaf(x), g.dtype) for x in items[k:start])
+            k = stop
+            if start == stop:
+                continue
+            w, t = items[start].whole, items[start].t
+            a, b = w.span(w.lo, w.hi)
+            if used[id(w)] < _MIN_SHARE * (b - a):
+                parts.extend(_flat(leaf(x), g.dtype) for x in items[start:stop])
+                continue
+            a, b = w.span(t, t + stop - start)
+            value = w.whole()
+            part = value if (a, b) == (0, value.shape[0]) else value[a:b]
+            if part.dtype != g.dtype:
+                part = jax.lax.convert_element_type(part, g.dtype)
+            parts.append(part)
+            whole_parts += 1
+        if not whole_parts:
+            out.append(_transport._concatenate(parts))
+        elif len(parts) == 1:
+            out.append(parts[0])
+        else:
+            out.append(jax.lax.concatenate(parts, 0))
+    return out
+
+
+def _flat(x: Any, dtype: Any) -> Any:
+    if x.dtype != dtype:
+        x = jax.lax.convert_element_type(x, dtype)
+    return jax.lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),))
+
+
+def _runs(items: list[Any]) -> list[tuple[int, int]]:
+    """(start, stop) of the runs of views of consecutive segments of one whole."""
+    runs = []
+    i = 0
+    while i < len(items):
+        x = items[i]
+        if type(x) is not View:
+            i += 1
+            continue
+        j = i + 1
+        while (
+            j < len(items)
+            and type(items[j]) is View
+            and items[j].whole is x.whole
+            and items[j].t == x.t + j - i
+        ):
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
