@@ -18,7 +18,7 @@ from helpers import tree_allclose
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autoflat
-from autoflat import _transport
+from autoflat import _entry, _transport
 
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 
@@ -82,16 +82,24 @@ def _bits(tree):
     ]
 
 
+@pytest.mark.parametrize("segments", [True, False])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("pack", [True, "auto"])
-def test_packed_results_are_bitwise_those_of_flat(pack, k):
+def test_packed_results_are_those_of_flat(pack, k, segments, monkeypatch):
+    # The transport alone changes no bit. At one step a call the elementwise operations on
+    # packed leaves also run on whole buffers (`_segments`), which XLA simplifies otherwise
+    # (`a / b / c` into `a / (b * c)` in one program and not the other): the last bits.
+    monkeypatch.setattr(_entry, "SEGMENTS", segments)
     _, ref_params, ref_opt, ref_losses = _run(False, k, 3)
     step, params, opt_state, losses = _run(pack, k, 3)
+    if segments and k == 1:
+        tree_allclose((params, opt_state, losses), (ref_params, ref_opt, ref_losses), atol=1e-5)
     for a, b in zip(
         _bits((params, opt_state, losses)), _bits((ref_params, ref_opt, ref_losses)), strict=True
     ):
         assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
+        if not segments or k > 1:
+            np.testing.assert_array_equal(a, b)
     # the state really travelled packed: a few buffers instead of one per leaf
     layout = params._af_layout
     n_leaves = len(jax.tree.leaves(autoflat.unwrap(params)))
@@ -270,7 +278,8 @@ def test_handles_over_packed_state_behave_as_before(monkeypatch):
     assert params["layers"][0]["w"].shape == (4, 4)
     assert params["steps"].dtype == jnp.int32
     assert len(calls) == 1
-    tree_allclose(autoflat.unwrap(params), ref_params, exact=True)
+    # (to the last bits: see test_packed_results_are_those_of_flat)
+    tree_allclose(autoflat.unwrap(params), ref_params, atol=1e-5)
     assert len(calls) == 1
     # pickling, jax.tree.map, another jitted function
     tree_allclose(pickle.loads(pickle.dumps(opt_state)), autoflat.unwrap(opt_state), exact=True)
@@ -280,7 +289,7 @@ def test_handles_over_packed_state_behave_as_before(monkeypatch):
     def norm(p):
         return jnp.sqrt(jnp.sum(p["big"] ** 2) + jnp.sum(p["proj"] ** 2))
 
-    np.testing.assert_array_equal(jax.jit(norm)(params), jax.jit(norm)(ref_params))
+    np.testing.assert_allclose(jax.jit(norm)(params), jax.jit(norm)(ref_params), rtol=1e-6)
 
 
 def test_state_spanning_several_devices_is_never_packed():
