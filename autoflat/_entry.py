@@ -76,13 +76,8 @@ def _body(
 
 
 def _segmented(spec: CallSpec) -> bool:
-    """Whether the step runs with packed leaves as views (`_segments`): one step a call (a
-    scan takes its carry leaf by leaf) and something packed."""
-    return (
-        SEGMENTS
-        and spec.num_steps == 1
-        and any(layout is not None and layout.groups for layout in spec.layouts)
-    )
+    """Whether the step runs with packed leaves as views (`_segments`): something is packed."""
+    return SEGMENTS and any(layout is not None and layout.groups for layout in spec.layouts)
 
 
 # `_segments` on (True) or off (the leaves unpacked before the step, as in a scan).

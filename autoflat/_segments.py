@@ -34,6 +34,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from . import _transport
+from ._structure import strongly_typed
 
 # Primitives whose result element i depends only on element i of each operand (or on scalar
 # operands), with no parameter that names a shape, an axis or a position.
@@ -101,11 +102,12 @@ class Whole:
 class Buffer(Whole):
     """A packed input buffer."""
 
-    __slots__ = ("buffer",)
+    __slots__ = ("group", "buffer")
 
     def __init__(self, group: _transport.Group, buffer: Any):
         n = len(group.shapes)
         super().__init__(group.shapes, group.offsets, group.total, group.dtype, 0, n)
+        self.group = group
         self.buffer = buffer
 
     def _leaf(self, t: int) -> Any:
@@ -254,6 +256,8 @@ class Interpreter:
                 elif _inlinable(eqn):
                     inner = eqn.params["jaxpr"]
                     outs = self.eval(inner.jaxpr, inner.consts, invals)
+                elif eqn.primitive.name == "scan":
+                    outs = _scan(eqn, invals)
             if outs is None:
                 invals = [x.leaf() if type(x) is View else x for x in invals]
                 params = eqn.primitive.get_bind_params(eqn.params)
@@ -382,44 +386,95 @@ def views(layout: _transport.Layout, buffers: Sequence[Any]) -> list[Any]:
 
 
 def pack(layout: _transport.Layout, values: Sequence[Any]) -> list[Any]:
-    """`_transport.pack` of values that may be views: a run of a packed buffer's leaves that
-    are consecutive segments of one whole computation is a slice of it."""
+    """`_transport.pack` of values that may be views (see `pack_group`)."""
     out = [leaf(values[i]) for i in layout.singles]
-    for g in layout.groups:
-        items = [values[i] for i in g.indices]
-        runs = _runs(items)
-        used: dict[int, int] = {}
-        for start, stop in runs:
-            w, t = items[start].whole, items[start].t
-            a, b = w.span(t, t + stop - start)
-            used[id(w)] = used.get(id(w), 0) + b - a
-        parts: list[Any] = []
-        whole_parts = 0
-        k = 0
-        for start, stop in runs + [(len(items), len(items))]:
-            parts.extend(_flat(leaf(x), g.dtype) for x in items[k:start])
-            k = stop
-            if start == stop:
-                continue
-            w, t = items[start].whole, items[start].t
-            a, b = w.span(w.lo, w.hi)
-            if used[id(w)] < _MIN_SHARE * (b - a):
-                parts.extend(_flat(leaf(x), g.dtype) for x in items[start:stop])
-                continue
-            a, b = w.span(t, t + stop - start)
-            value = w.whole()
-            part = value if (a, b) == (0, value.shape[0]) else value[a:b]
-            if part.dtype != g.dtype:
-                part = jax.lax.convert_element_type(part, g.dtype)
-            parts.append(part)
-            whole_parts += 1
-        if not whole_parts:
-            out.append(_transport._concatenate(parts))
-        elif len(parts) == 1:
-            out.append(parts[0])
-        else:
-            out.append(jax.lax.concatenate(parts, 0))
+    out.extend(pack_group(g, [values[i] for i in g.indices]) for g in layout.groups)
     return out
+
+
+def pack_group(g: _transport.Group, items: list[Any]) -> Any:
+    """The buffer of group `g` from its leaves, which may be views: a run of consecutive
+    segments of one whole computation is a slice of it."""
+    runs = _runs(items)
+    used: dict[int, int] = {}
+    for start, stop in runs:
+        w, t = items[start].whole, items[start].t
+        a, b = w.span(t, t + stop - start)
+        used[id(w)] = used.get(id(w), 0) + b - a
+    parts: list[Any] = []
+    whole_parts = 0
+    k = 0
+    for start, stop in runs + [(len(items), len(items))]:
+        parts.extend(_flat(leaf(x), g.dtype) for x in items[k:start])
+        k = stop
+        if start == stop:
+            continue
+        w, t = items[start].whole, items[start].t
+        a, b = w.span(w.lo, w.hi)
+        if used[id(w)] < _MIN_SHARE * (b - a):
+            parts.extend(_flat(leaf(x), g.dtype) for x in items[start:stop])
+            continue
+        a, b = w.span(t, t + stop - start)
+        value = w.whole()
+        part = value if (a, b) == (0, value.shape[0]) else value[a:b]
+        if part.dtype != g.dtype:
+            part = jax.lax.convert_element_type(part, g.dtype)
+        parts.append(part)
+        whole_parts += 1
+    if not whole_parts:
+        return _transport._concatenate(parts)
+    if len(parts) == 1:
+        return strongly_typed(parts[0])
+    return strongly_typed(jax.lax.concatenate(parts, 0))
+
+
+def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """A `lax.scan` (the `num_steps` loop) whose carry holds every leaf of packed buffers:
+    run again carrying those buffers, its body evaluated with views of them; None if it
+    carries no whole buffer."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    init = invals[nc : nc + nk]
+    found: dict[Buffer, dict[int, int]] = {}
+    for pos, x in enumerate(init):
+        if type(x) is View and type(x.whole) is Buffer:
+            found.setdefault(x.whole, {}).setdefault(x.t, pos)
+    buffers = [w for w, at in found.items() if len(at) == len(w.shapes)]
+    if not buffers:
+        return None
+    place = {found[w][t]: (i, t) for i, w in enumerate(buffers) for t in range(len(w.shapes))}
+    rest = [pos for pos in range(nk) if pos not in place]
+    consts = [leaf(x) for x in invals[:nc]]
+    body = p["jaxpr"]
+
+    def carried(bufs: list[Any], others: list[Any]) -> list[Any]:
+        wholes = [Buffer(w.group, b) for w, b in zip(buffers, bufs, strict=True)]
+        values: list[Any] = [None] * nk
+        for pos, x in zip(rest, others, strict=True):
+            values[pos] = x
+        for pos, (i, t) in place.items():
+            values[pos] = View(wholes[i], t)
+        return values
+
+    def step(carry: Any, x: Any) -> Any:
+        values = carried(*carry)
+        outs = Interpreter().eval(body.jaxpr, body.consts, [*consts, *values, *x])
+        new = outs[:nk]
+        bufs = [
+            pack_group(w.group, [new[found[w][t]] for t in range(len(w.shapes))]) for w in buffers
+        ]
+        return (bufs, [leaf(new[pos]) for pos in rest]), [leaf(y) for y in outs[nk:]]
+
+    init_carry = ([w.buffer for w in buffers], [leaf(init[pos]) for pos in rest])
+    (bufs, others), ys = jax.lax.scan(
+        step,
+        init_carry,
+        [leaf(x) for x in invals[nc + nk :]],
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    return [*carried(bufs, others), *ys]
 
 
 def _flat(x: Any, dtype: Any) -> Any:

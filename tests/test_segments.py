@@ -141,18 +141,21 @@ def _state(shapes, n_states):
     return tuple(leaves(i, shapes) for i in range(n_states))
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("pack", [True, "auto"])
 @pytest.mark.parametrize(("fn", "shapes", "n_states"), CASES, ids=[c[0].__name__ for c in CASES])
-def test_steps_over_packed_leaves_match_jax_jit(fn, shapes, n_states, pack):
-    step = autoflat.step(fn, pack=pack)
+def test_steps_over_packed_leaves_match_jax_jit(fn, shapes, n_states, pack, k):
+    # at num_steps=3 the scan carries the packed buffers, its body evaluated with views
+    step = autoflat.step(fn, pack=pack, num_steps=k)
     ref = jax.jit(fn)
     state, expected = _state(shapes, n_states), _state(shapes, n_states)
     for i in range(3):
-        g = jnp.float32(0.1 * i)
-        out = step(*state, g)
+        gs = jnp.arange(k, dtype=jnp.float32) * 0.1 + 0.3 * i
+        out = step(*state, gs if k > 1 else gs[0])
         state = out if n_states > 1 else (out,)
-        got = ref(*expected, g)
-        expected = got if n_states > 1 else (got,)
+        for g in gs:
+            got = ref(*expected, g)
+            expected = got if n_states > 1 else (got,)
     tree_allclose(state, expected, rtol=1e-6, atol=1e-6)
     assert getattr(state[0], "_af_layout", None) is not None  # it really travelled packed
 
@@ -171,19 +174,23 @@ def test_int_counters_beside_floats_match_jax_jit():
     tree_allclose(c, ref_c, exact=True)
 
 
-def test_an_update_of_every_leaf_alike_cuts_no_leaf_out(monkeypatch):
+@pytest.mark.parametrize("k", [1, 4])
+def test_an_update_of_every_leaf_alike_cuts_no_leaf_out(monkeypatch, k):
     # The sweep updates each leaf alone, alike: the program computes it once on the packed
-    # buffer and cuts no leaf out of it (`_transport._take`); the flat program per leaf
-    # is what runs with the views off.
+    # buffer and cuts no leaf out of it (`_transport._take`), in a scan of k steps too; the
+    # flat program per leaf is what runs with the views off.
     taken = []
     real = _transport._take
     monkeypatch.setattr(_transport, "_take", lambda *a: taken.append(a) or real(*a))
-    xs = leaves(0, SAME)
-    out = autoflat.step(sweep, pack="auto")(xs, jnp.float32(0.5))
-    tree_allclose(out, jax.jit(sweep)(leaves(0, SAME), jnp.float32(0.5)), exact=True)
+    gs = jnp.full((k,), 0.5, jnp.float32) if k > 1 else jnp.float32(0.5)
+    out = autoflat.step(sweep, pack="auto", num_steps=k)(leaves(0, SAME), gs)
+    expected = leaves(0, SAME)
+    for _ in range(k):
+        expected = jax.jit(sweep)(expected, jnp.float32(0.5))
+    tree_allclose(out, expected, exact=True)
     assert taken == []
     monkeypatch.setattr(_entry, "SEGMENTS", False)
-    autoflat.step(sweep, pack="auto")(leaves(0, SAME), jnp.float32(0.5))
+    autoflat.step(sweep, pack="auto", num_steps=k)(leaves(0, SAME), gs)
     assert len(taken) == N
 
 
@@ -227,20 +234,22 @@ def make_update(tx):
     return update
 
 
+@pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_optimizers_over_packed_state_match_jax_jit(name):
+def test_optimizers_over_packed_state_match_jax_jit(name, k):
     # Per-leaf work (LAMB's trust ratios, Adafactor's factored moments, multi_transform's
     # labels) stays per leaf; what every leaf does alike runs on the buffers.
     tx = OPTIMIZERS[name]()
     update = make_update(tx)
-    step = autoflat.step(update, pack="auto")
+    step = autoflat.step(update, pack="auto", num_steps=k)
     params, ref_params = _mlp(), _mlp()
     opt_state, ref_opt = tx.init(params), tx.init(ref_params)
     ref = jax.jit(update)
-    xs = jax.random.normal(jax.random.key(4), (3, 16, 4))
+    xs = jax.random.normal(jax.random.key(4), (3, k, 16, 4))
     for x in xs:
-        params, opt_state, loss = step(params, opt_state, x)
-        ref_params, ref_opt, ref_loss = ref(ref_params, ref_opt, x)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+        params, opt_state, losses = step(params, opt_state, x if k > 1 else x[0])
+        for i, x_i in enumerate(x):
+            ref_params, ref_opt, ref_loss = ref(ref_params, ref_opt, x_i)
+            np.testing.assert_allclose(losses[i] if k > 1 else losses, ref_loss, rtol=1e-6)
     tree_allclose((params, opt_state), (ref_params, ref_opt), rtol=1e-5, atol=1e-6)
     assert params._af_layout.groups  # packed
