@@ -255,7 +255,10 @@ class Interpreter:
                     outs = None if out is None else [out]
                 elif _inlinable(eqn):
                     inner = eqn.params["jaxpr"]
-                    outs = self.eval(inner.jaxpr, inner.consts, invals)
+                    if isinstance(inner, ClosedJaxpr):
+                        outs = self.eval(inner.jaxpr, inner.consts, invals)
+                    else:
+                        outs = self.eval(inner, (), invals)
                 elif eqn.primitive.name == "scan":
                     outs = _scan(eqn, invals)
             if outs is None:
@@ -362,7 +365,9 @@ def _inlinable(eqn: Any) -> bool:
     if eqn.primitive.name not in ("jit", "pjit") or eqn.effects:
         return False
     params = eqn.params
-    if not isinstance(params.get("jaxpr"), ClosedJaxpr) or params.get("compiler_options_kvs"):
+    jaxpr = params.get("jaxpr")
+    closed = isinstance(jaxpr, ClosedJaxpr) or (isinstance(jaxpr, Jaxpr) and not jaxpr.constvars)
+    if not closed or params.get("compiler_options_kvs"):
         return False
     shardings = tuple(params.get("in_shardings", ())) + tuple(params.get("out_shardings", ()))
     return all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
@@ -428,11 +433,16 @@ def pack_group(g: _transport.Group, items: list[Any]) -> Any:
     return strongly_typed(jax.lax.concatenate(parts, 0))
 
 
+_SCAN_PARAMS = {"num_consts", "num_carry", "jaxpr", "length", "reverse", "unroll"}
+
+
 def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
     """A `lax.scan` (the `num_steps` loop) whose carry holds every leaf of packed buffers:
     run again carrying those buffers, its body evaluated with views of them; None if it
     carries no whole buffer."""
     p = eqn.params
+    if not _SCAN_PARAMS <= p.keys() or not isinstance(p["jaxpr"], ClosedJaxpr):
+        return None  # JAX 0.12's scan describes its operands otherwise: it runs as traced
     nc, nk = p["num_consts"], p["num_carry"]
     init = invals[nc : nc + nk]
     found: dict[Buffer, dict[int, int]] = {}

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_transport.py [--quick] [--json PATH] [--models abc] [--repeats N]
     python benchmarks/bench_transport.py --sweep   # the leaf-size sweep behind pack="auto"
-    python benchmarks/bench_transport.py --compile [--leaves 300,1000,3000] [--legacy]
+    python benchmarks/bench_transport.py --compile [--leaves 300,1000,3000] [--num-steps K]
+                                         [--legacy]
 
 For three models, each trained with optax.adam by `@autoflat.step(num_steps=k, pack=...)`
 for k in 1 and 10 and pack in False (one buffer per leaf), True (every small-enough-to-pack
@@ -33,13 +34,16 @@ Every figure is timed the way of `harness.py`: round-robin blocks over the three
 of a (model, k), each continuing from its own state; the host time per call is measured after
 each block on a quarter as many calls (at least 3), the device idle before each.
 
-`--compile` times first calls (trace, compile and one step, from a fresh step after
-`jax.clear_caches()` and `autoflat.clear_caches()`) of two states of many small leaves, for
-each number of leaves and each transport, round-robin over the transports, medians of the
-repeats: "sweep", N arrays of 8 f32 each updated by `x * 0.99 + g` (the report's leaves
-section), and "adam", N/3 arrays of 64 f32 trained with `optax.adam` (N state arrays with
-its moments). `--legacy` adds the packed transport before the compile-time fix (static
-slices in, one concatenate out) at up to 1,000 leaves.
+`--compile` times first calls (trace, compile and one call of `--num-steps` steps, default 1,
+from a fresh step after `jax.clear_caches()` and `autoflat.clear_caches()`) of two states of
+many small leaves, for each number of leaves and each transport, round-robin over the
+transports, medians of the repeats: "sweep", N arrays of 8 f32 each updated by `x * 0.99 + g`
+(the report's leaves section), and "adam", N/3 arrays of 64 f32 trained with `optax.adam` (N
+state arrays with its moments). "auto, no views" is `pack="auto"` with the packed leaves cut
+out before the step and repacked after it, every one (`autoflat._entry.SEGMENTS` off: the
+transport before elementwise operations ran on whole buffers). `--legacy` adds the packed
+transport before the compile-time fix (static slices in, one concatenate out) at up to 1,000
+leaves.
 """
 
 from __future__ import annotations
@@ -270,16 +274,40 @@ class _Legacy:
         _transport._take, _transport._concatenate = self.saved
 
 
-def run_compile(sizes: list[int], repeats: int, legacy: bool) -> list[dict[str, Any]]:
+class _NoViews:
+    """Packed leaves cut out before the step, every one (while active)."""
+
+    def __enter__(self) -> None:
+        from autoflat import _entry
+
+        self.saved = _entry.SEGMENTS
+        _entry.SEGMENTS = False
+
+    def __exit__(self, *exc: Any) -> None:
+        from autoflat import _entry
+
+        _entry.SEGMENTS = self.saved
+
+
+def run_compile(
+    sizes: list[int], repeats: int, legacy: bool, num_steps: int = 1
+) -> list[dict[str, Any]]:
     """First-call seconds per (case, leaves, transport), round-robin, medians."""
     import contextlib
     import gc
 
-    modes: list[tuple[str, Any]] = [("False", False), ("auto", "auto"), ("True", True)]
+    modes: list[tuple[str, Any]] = [
+        ("False", False),
+        ("auto", "auto"),
+        ("True", True),
+        ("auto, no views", "auto"),
+    ]
     rows = []
     for kind in ("sweep", "adam"):
         for n in sizes:
             update, state, arg = compile_case(kind, n)
+            if num_steps > 1:
+                arg = jnp.stack([arg] * num_steps)
             todo = modes + ([("legacy True", True)] if legacy and n <= 1000 else [])
             times: dict[str, list[float]] = {name: [] for name, _ in todo}
             layouts: dict[str, str] = {}
@@ -288,8 +316,15 @@ def run_compile(sizes: list[int], repeats: int, legacy: bool) -> list[dict[str, 
                     jax.clear_caches()
                     autoflat.clear_caches()
                     gc.collect()
-                    with _Legacy() if name.startswith("legacy") else contextlib.nullcontext():
-                        step = autoflat.step(update, pack=pack)
+                    context = (
+                        _Legacy()
+                        if name.startswith("legacy")
+                        else _NoViews()
+                        if name.endswith("no views")
+                        else contextlib.nullcontext()
+                    )
+                    with context:
+                        step = autoflat.step(update, pack=pack, num_steps=num_steps)
                         fresh = harness.fresh(state)
                         t0 = perf()
                         out = step(*fresh, arg)
@@ -308,6 +343,7 @@ def run_compile(sizes: list[int], repeats: int, legacy: bool) -> list[dict[str, 
                         "min_s": min(ts),
                         "max_s": max(ts),
                         "vs_flat": med / flat,
+                        "num_steps": num_steps,
                         "layout": layouts[name],
                         "repeats_s": ts,
                     }
@@ -331,6 +367,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="only first-call (compile) times")
     ap.add_argument("--leaves", default="300,1000,3000", help="--compile: numbers of leaves")
     ap.add_argument("--legacy", action="store_true", help="--compile: the transport before")
+    ap.add_argument("--num-steps", type=int, default=1, help="--compile: steps per call")
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 7)
     harness.log("\n".join(harness.environment_lines(harness.machine(), harness.versions())))
@@ -338,7 +375,7 @@ def main() -> None:
     harness.log(f"pack='auto' packs leaves of at most {auto_max} elements")
     if args.compile:
         sizes = [int(x) for x in args.leaves.split(",")]
-        rows = run_compile(sizes, args.repeats or 3, args.legacy)
+        rows = run_compile(sizes, args.repeats or 3, args.legacy, args.num_steps)
         header = ["case", "leaves", "pack", "first call s (median)", "spread", "× flat"]
         body = [
             [r["case"], str(r["leaves"]), r["pack"], f"{r['first_call_s']:.2f}"]
