@@ -26,6 +26,7 @@ bits from the flat transport's. Everything else runs as traced.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -434,6 +435,13 @@ def pack_group(g: _transport.Group, items: list[Any]) -> Any:
 
 
 _SCAN_PARAMS = {"num_consts", "num_carry", "jaxpr", "length", "reverse", "unroll"}
+
+
+@functools.cache
+def scans_with_views() -> bool:
+    """Whether this JAX's scan is one `_scan` runs with views (JAX 0.10's, not 0.12's)."""
+    jaxpr = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c, c), c, length=1))(0.0)
+    return _SCAN_PARAMS <= jaxpr.eqns[0].params.keys()
 
 
 def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:

@@ -99,8 +99,8 @@ def test_packed_results_are_those_of_flat(pack, k, segments, monkeypatch):
         # some of those elements otherwise (up to 3e-4 after 9 steps; 2e-8 with SGD). Bound:
         # each element within the steps taken times the learning rate, at most 5% of them
         # past the usual tolerance.
-        pairs = zip(_bits((params, opt_state)), _bits((ref_params, ref_opt)), strict=True)
-        a, b = (np.concatenate(x) for x in zip(*((np.ravel(a), np.ravel(b)) for a, b in pairs)))
+        a = np.concatenate([np.ravel(x) for x in _bits((params, opt_state))])
+        b = np.concatenate([np.ravel(x) for x in _bits((ref_params, ref_opt))])
         diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
         assert np.all(diff <= 3 * k * 1e-2)
         assert np.mean(diff > 1e-5 + 1e-5 * np.abs(b.astype(np.float64))) <= 0.05
