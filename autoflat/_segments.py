@@ -4,24 +4,28 @@ A packed state reaches the step as a few 1-D buffers; the step's code works leaf
 optimizer's update applies the same elementwise operation to every leaf (`m * 0.9 + g * 0.1`
 for each of a thousand moments), and cutting each leaf out of its buffer, updating it and
 concatenating it back costs compile time per leaf (docs/performance.md, "Packed transport").
-`run` evaluates the step's jaxpr (traced leaf by leaf, as written) with the leaves of a
-packed buffer as *views*, segments of a buffer not yet cut. An elementwise operation whose
-array operands are views of aligned segments (same shapes, segment by segment) is recorded
-once for the whole run of aligned segments, not per leaf; the per-leaf operands it meets
-(gradients computed leaf by leaf) are concatenated into a buffer of the same segments. Nothing
-is computed until it is needed:
+`Interpreter.eval` evaluates the step's jaxpr (traced leaf by leaf, as written: `_entry`)
+with the leaves of a packed buffer as *views*, segments of a buffer not yet cut. An
+elementwise operation whose array operands are views of aligned segments (same shapes,
+segment by segment) is recorded once for the whole run of aligned segments, not per leaf;
+the per-leaf operands it meets (gradients computed leaf by leaf) are concatenated into a
+buffer of the same segments. Nothing is computed until it is needed:
 
-- an operation that is not elementwise (a matmul, a reduction, a scan) gets its leaves cut out
-  and computed leaf by leaf, each from the leaves it depends on: exactly the program the flat
-  transport compiles for that leaf;
+- an operation that is not elementwise (a matmul, a reduction) gets its leaves cut out and
+  computed leaf by leaf, each from the leaves it depends on: the program the flat transport
+  compiles for that leaf;
 - a packed output whose leaves are runs of one whole computation is that computation's buffer
-  (or a slice of it), computed once for all of them.
+  (or a slice of it), computed once for all of them;
+- a `num_steps` scan whose carry holds every leaf of a packed buffer carries the buffer
+  instead, and its body is evaluated with views of it the same way (`_scan`; on JAX 0.10,
+  whose scan this reads; other scans cut their carry out leaf by leaf).
 
 Elementwise means that element i of the result depends on element i of each operand only,
 with no parameter naming a shape or a position (`_ELEMENTWISE`); then computing a segment
-inside the whole buffer gives the same values as computing it alone. XLA may fuse the whole
-computation with other operations than the per-leaf one, so results can differ in the last
-bits from the flat transport's. Everything else runs as traced.
+inside the whole buffer gives the same values as computing it alone. XLA simplifies a
+whole-buffer computation otherwise than a per-leaf one (`a / b / c` into `a / (b * c)` in
+one, not the other), so results can differ in the last bits from the flat transport's.
+Everything else runs as traced.
 """
 
 from __future__ import annotations
