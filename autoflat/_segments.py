@@ -86,16 +86,45 @@ class Whole:
         return self.offsets[lo] - base, self.end(hi - 1) - base
 
     def leaf(self, t: int) -> Any:
-        """Segment t alone."""
-        if t not in self.cut:
-            self.cut[t] = self._leaf(t)
+        """Segment t alone. (The operations it depends on are computed first, in order, not
+        by recursion: a step's chain of elementwise operations can be thousands long.)"""
+        todo = [(self, t)]
+        while todo:
+            w, s = todo[-1]
+            if s in w.cut:
+                todo.pop()
+                continue
+            missing = [(d, u) for d, u in w._leaf_operands(s) if u not in d.cut]
+            if missing:
+                todo.extend(missing)
+            else:
+                w.cut[s] = w._leaf(s)
+                todo.pop()
         return self.cut[t]
 
     def whole(self) -> Any:
-        """The segments lo to hi, as one 1-D array."""
-        if self.value is None:
-            self.value = self._whole()
+        """The segments lo to hi, as one 1-D array (computed as `leaf`, without recursion)."""
+        todo: list[Whole] = [self]
+        while todo:
+            w = todo[-1]
+            if w.value is not None:
+                todo.pop()
+                continue
+            missing = [d for d in w._whole_operands() if d.value is None]
+            if missing:
+                todo.extend(missing)
+            else:
+                w.value = w._whole()
+                todo.pop()
         return self.value
+
+    def _leaf_operands(self, t: int) -> list[tuple[Whole, int]]:
+        """The (whole, segment) pairs `_leaf(t)` reads."""
+        return []
+
+    def _whole_operands(self) -> list[Whole]:
+        """The wholes `_whole` reads."""
+        return []
 
     def _leaf(self, t: int) -> Any:
         raise NotImplementedError
@@ -165,6 +194,20 @@ class Op(Whole):
         self.prim = prim
         self.params = params
         self.operands = operands
+
+    def _leaf_operands(self, t: int) -> list[tuple[Whole, int]]:
+        return [
+            (x[0], t + x[1]) if type(x) is tuple else (x, t)
+            for x in self.operands
+            if type(x) is tuple or isinstance(x, Whole)
+        ]
+
+    def _whole_operands(self) -> list[Whole]:
+        return [
+            x[0] if type(x) is tuple else x
+            for x in self.operands
+            if type(x) is tuple or isinstance(x, Whole)
+        ]
 
     def _leaf(self, t: int) -> Any:
         args = [

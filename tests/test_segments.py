@@ -101,6 +101,18 @@ def used_twice(xs, g):
     return xs
 
 
+def long_chains(xs, g):
+    # 2,000 elementwise operations on each leaf (an unrolled inner loop), half of the leaves
+    # then cut out by a matmul: computed in order, not by recursion
+    out = []
+    for i, x in enumerate(xs[:8]):
+        for _ in range(1000):
+            x = x * 0.999 + g
+        out.append(x @ jnp.ones((8, 8)) * 0.1 if i % 2 else x)
+    xs = out + xs[8:]
+    return xs
+
+
 def some_leaves(xs, g):
     # half the leaves updated alike, the other half by a matmul
     xs = [x + g if i % 2 else x @ jnp.ones((x.shape[-1], x.shape[-1])) * 0.1
@@ -129,6 +141,7 @@ CASES = [
     (neighbours, MIXED, 1),
     (shifted, HALVES, 1),
     (same_operation_twice, MIXED, 1),
+    (long_chains, SAME, 1),
     (reversed_pairs, SAME, 1),
     (mixed_kinds, MIXED, 1),
     (used_twice, SAME, 1),
