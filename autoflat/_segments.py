@@ -318,7 +318,11 @@ class Interpreter:
                     outs = [outs]
             for v, x in zip(eqn.outvars, outs, strict=True):
                 env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+        # (a literal result, such as a constant flag kept in the state, as the array it is)
+        return [
+            jax.numpy.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
+            for v in jaxpr.outvars
+        ]
 
     def _elementwise(self, eqn: Any, invals: list[Any]) -> View | None:
         shape = tuple(eqn.outvars[0].aval.shape)

@@ -173,6 +173,22 @@ def test_steps_over_packed_leaves_match_jax_jit(fn, shapes, n_states, pack, k):
     assert getattr(state[0], "_af_layout", None) is not None  # it really travelled packed
 
 
+def constant_flags(xs, flags, g):
+    # state set to constants: the jaxpr returns literals, not computed arrays
+    xs = [x * g for x in xs]
+    flags = [jnp.array(True) for _ in flags]
+    return xs, flags
+
+
+def test_state_set_to_constants():
+    step = autoflat.step(constant_flags, pack=True)
+    flags = [jnp.array(False)] * N
+    xs, out = step(leaves(0, SAME), flags, jnp.float32(2.0))
+    ref_x, ref_flags = jax.jit(constant_flags)(leaves(0, SAME), flags, jnp.float32(2.0))
+    tree_allclose((xs, out), (ref_x, ref_flags), exact=True)
+    assert out._af_layout.groups  # the flags travelled packed
+
+
 def test_int_counters_beside_floats_match_jax_jit():
     xs = leaves(0, SAME)
     cs = [jnp.int32(i) * jnp.ones((8,), jnp.int32) for i in range(N)]
