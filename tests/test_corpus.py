@@ -59,6 +59,8 @@ class Case:
     # (rtol, atol, outliers) instead, when the default transport packs every leaf
     # (`AUTOFLAT_PACK=on`): a program XLA compiles with other fusions (eqx_stateful)
     all_packed: tuple[float, float, float] | None = None
+    # and atol for the per-step outputs then (an accuracy whose logits tie)
+    all_packed_outputs: float | None = None
     slow_ks: tuple[int, ...] = ()  # marked slow (out of the default suite) at these k
     # Upstream's loop reads the returned state between calls (`params["param0"][0]` into a
     # history): the handle is rebuilt, so the next call flattens it again.
@@ -106,7 +108,20 @@ CASES: dict[str, Case] = {
         "flax.nnx + linen TrainState", "train_step", jax.jit, ignore=(_VALUE_DEPRECATED,)
     ),
     # Flax Linen with TrainState
-    "flax_linen_batch_norm": Case("flax.linen", "train_step", jax.jit),
+    "flax_linen_batch_norm": Case(
+        "flax.linen",
+        "train_step",
+        jax.jit,
+        # With every leaf packed (`AUTOFLAT_PACK=on`), whole-buffer updates differ from
+        # upstream's in the last bits; Dense_0's bias, before the BatchNorm, has gradients of
+        # float noise (6e-8 at the first step), which Adam moves by up to its learning rate
+        # (1e-3) whatever the noise: 2 of its 4 elements end up to 1e-4 away. Bound: 8 steps
+        # of the learning rate for every element, at most 5% of them past the usual tolerance.
+        all_packed=(0.0, 8 * 1e-3, 0.05),
+        # The second step's logits tie exactly for one of the 6 examples (top-2 gap 0.0):
+        # its accuracy, 1/6 apart, follows the last bits.
+        all_packed_outputs=0.17,
+    ),
     "flax_linen_lr_schedule": Case(
         "flax.linen", "train_step", functools.partial(jax.jit, static_argnums=2)
     ),
@@ -202,7 +217,10 @@ def _compare(case: Case, ref: Any, got: Any) -> None:
     if case.all_packed is not None and default_pack() is True:
         rtol, atol, outliers = case.all_packed
     for part in ("state", "per_step", "post"):
-        tree_allclose(getattr(ref, part), getattr(got, part), rtol=rtol, atol=atol)
+        part_atol = atol
+        if part == "per_step" and case.all_packed_outputs and default_pack() is True:
+            part_atol = case.all_packed_outputs
+        tree_allclose(getattr(ref, part), getattr(got, part), rtol=rtol, atol=part_atol)
         if outliers and part == "state":  # (losses and post: within the bound)
             a = jax.tree.leaves(autoflat.unwrap(getattr(ref, part)))
             b = jax.tree.leaves(autoflat.unwrap(getattr(got, part)))
