@@ -196,18 +196,16 @@ class Op(Whole):
         self.operands = operands
 
     def _leaf_operands(self, t: int) -> list[tuple[Whole, int]]:
-        return [
-            (x[0], t + x[1]) if type(x) is tuple else (x, t)
-            for x in self.operands
-            if type(x) is tuple or isinstance(x, Whole)
-        ]
+        out: list[tuple[Whole, int]] = []
+        for x in self.operands:
+            if type(x) is tuple:
+                out.append((x[0], t + x[1]))
+            elif isinstance(x, Whole):
+                out.append((x, t))
+        return out
 
     def _whole_operands(self) -> list[Whole]:
-        return [
-            x[0] if type(x) is tuple else x
-            for x in self.operands
-            if type(x) is tuple or isinstance(x, Whole)
-        ]
+        return [w for w, _ in self._leaf_operands(0)]
 
     def _leaf(self, t: int) -> Any:
         args = [
@@ -320,7 +318,9 @@ class Interpreter:
                 env[v] = x
         # (a literal result, such as a constant flag kept in the state, as the array it is)
         return [
-            jax.numpy.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
+            jax.numpy.asarray(v.val, v.aval.dtype)  # type: ignore[attr-defined]
+            if isinstance(v, Literal)
+            else env[v]
             for v in jaxpr.outvars
         ]
 
