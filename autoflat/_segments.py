@@ -309,9 +309,11 @@ class Interpreter:
                     outs = _scan(eqn, invals)
             if outs is None:
                 invals = [x.leaf() if type(x) is View else x for x in invals]
-                params = eqn.primitive.get_bind_params(eqn.params)
+                bound = eqn.primitive.get_bind_params(eqn.params)
+                # (JAX 0.4 gives (subfunctions, params), later JAX the params alone)
+                subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
                 with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **params)
+                    outs = eqn.primitive.bind(*subfuns, *invals, **params)
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
             for v, x in zip(eqn.outvars, outs, strict=True):
