@@ -113,9 +113,9 @@ def step(
       written back into the caller's objects (Flax NNX mutation style). `False`: one buffer
       per array leaf. `True`: every array leaf that is not sharded over several devices (and
       not a PRNG key) is packed. Fewer buffers means less host time per call; packing costs
-      device copies in and out of the buffers. At one step a call, the elementwise
-      operations that every packed leaf goes through alike (an optimizer's update) run once
-      on the whole buffer, which compiles faster than one buffer per leaf. Results are those
+      device copies in and out of the buffers. Inside the step, the elementwise operations
+      that every packed leaf goes through alike (an optimizer's update) run once on the
+      whole buffer, which compiles faster than one buffer per leaf. Results are those
       of one buffer per leaf, to the last bits: XLA simplifies a whole-buffer computation
       otherwise (`a / b / c`). See docs/performance.md.
       The environment variable `AUTOFLAT_PACK` (`off`, `on` or `auto`) sets the default.

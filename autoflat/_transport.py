@@ -32,15 +32,16 @@ So the program never names an offset inside a fused kernel:
 What remains costs about 0.6-2 ms of compile time per leaf cut out of a buffer on a 2-core
 machine, most of it the unpack's gather per leaf (its tracing and XLA's HLO passes over it;
 the kernels are shared), the rest the repack's run kernels, which XLA:CPU compiles one by one
-even where identical (docs/performance.md measures both). At one step a call, `_segments`
-cuts out only the leaves that something other than an elementwise operation reads (the
-weights a forward pass multiplies by) and computes the rest on whole buffers, which names
-fewer things than one buffer per leaf does. A state packed outside a step (its first call)
+even where identical (docs/performance.md measures both). `_segments` cuts out only the
+leaves that something other than an elementwise operation reads (the weights a forward pass
+multiplies by) and computes the rest on whole buffers, which names fewer things than one
+buffer per leaf does. A state packed outside a step (its first call)
 is copied on the host rather than by a program compiled for it (`_HOST_CALLS`). Neither the
 unpack nor the repack is meant to change which computations XLA fuses with which (the
 unpack's pieces are whole vectors because smaller ones changed how the kernels reading them
-were vectorized, and their last bits): with a step's leaves cut out and repacked, as in a
-`num_steps` scan, the test suite's models compute the same bits as with a buffer per leaf.
+were vectorized, and their last bits): with every leaf cut out and repacked (`_segments`
+off, `_entry.SEGMENTS`), the test suite's models compute the same bits as with a buffer per
+leaf.
 That is not a guarantee: with every leaf packed, the corpus case eqx_stateful compiles
 otherwise and ends up to 9e-5 away (Adam amplifying gradients of float noise); and whole-buffer
 operations (`_segments`) are simplified otherwise by XLA (`a / b / c` into `a / (b * c)` in
