@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _segments, _transport
+from . import _segments, _transport, _wholes
 from ._nnx import Link
 from ._program import CallSpec
 from ._structure import FlatState, pinned, strongly_typed
@@ -93,11 +93,11 @@ def _segments_entry(
     """`_body` traced to a jaxpr on the unpacked leaves, then evaluated with the packed
     leaves as views (`_segments`) and the state packed again from them."""
     args = tuple(
-        a if layout is None else _segments.views(layout, a)
+        a if layout is None else _wholes.views(layout, a)
         for a, layout in zip(state_leaves, spec.layouts, strict=True)
     )
     avals = tuple(
-        [jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is _segments.View else x for x in a]
+        [jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is _wholes.View else x for x in a]
         for a in args
     )
     meta: list[Any] = []
@@ -120,10 +120,10 @@ def _segments_entry(
         k += len(flat.arrays)
         layout = _layout_out(spec, j, flat)
         if layout is None:
-            packed.append(FlatState(flat.structure, [_segments.leaf(x) for x in arrays]))
+            packed.append(FlatState(flat.structure, [_wholes.leaf(x) for x in arrays]))
         else:
-            packed.append(FlatState(flat.structure, _segments.pack(layout, arrays), layout))
-    outputs = out_tree.unflatten([_segments.leaf(x) for x in values[k:]])
+            packed.append(FlatState(flat.structure, _wholes.pack(layout, arrays), layout))
+    outputs = out_tree.unflatten([_wholes.leaf(x) for x in values[k:]])
     return tuple(packed), outputs
 
 
