@@ -13,10 +13,6 @@ from ._api import clear_caches as clear_caches
 from ._api import show as show
 from ._api import stats as stats
 from ._api import step as step
-from ._chunks import Chunks as Chunks
-from ._chunks import chunks as chunks
-from ._diagnostics import AutoflatRecompileWarning as AutoflatRecompileWarning
-from ._diagnostics import Stats as Stats
 from ._errors import AutoflatError as AutoflatError
 from ._errors import CallError as CallError
 from ._errors import ConsumedError as ConsumedError
@@ -24,12 +20,16 @@ from ._errors import OptionError as OptionError
 from ._errors import ShapeError as ShapeError
 from ._errors import SourceError as SourceError
 from ._errors import StateError as StateError
-from ._handles import LazyHandle as LazyHandle
-from ._handles import is_handle as is_handle
-from ._handles import unwrap as unwrap
-from ._stages import Compiled as Compiled
-from ._stages import Lowered as Lowered
-from ._stages import Traced as Traced
+from ._feeding.chunks import Chunks as Chunks
+from ._feeding.chunks import chunks as chunks
+from ._handles.lazy import LazyHandle as LazyHandle
+from ._handles.lazy import is_handle as is_handle
+from ._handles.lazy import unwrap as unwrap
+from ._runtime.diagnostics import AutoflatRecompileWarning as AutoflatRecompileWarning
+from ._runtime.diagnostics import Stats as Stats
+from ._runtime.stages import Compiled as Compiled
+from ._runtime.stages import Lowered as Lowered
+from ._runtime.stages import Traced as Traced
 from ._step import Step as Step
 
 

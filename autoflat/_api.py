@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, overload
 
 from . import _caches
-from ._diagnostics import Stats
 from ._errors import NOT_A_STEP, CallError
+from ._runtime.diagnostics import Stats
 from ._step import GeneratedSource, Step
-from ._transport import PackMode
+from ._transport.layout import PackMode
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -19,10 +19,8 @@ from typing import Any, Literal
 import jax
 
 from . import _caches
-from ._analysis import analyse
-from ._call import finish, prepare
-from ._diagnostics import Diagnostics, Stats
-from ._entry import entry, jitted, landed, relinked
+from ._analysis.analysis import analyse
+from ._analysis.source import jit_static_names, unwrap_function
 from ._errors import (
     BAD_FLAG,
     BAD_NAMES,
@@ -37,15 +35,17 @@ from ._errors import (
     error,
     where,
 )
-from ._handles import LazyHandle, Origin
-from ._launch import check_pending, launch, runner
-from ._nnx import NnxState, take_graph_cache
-from ._program import Program, Programs, SpecCache
-from ._roles import Options
-from ._source import jit_static_names, unwrap_function
-from ._stages import Lowered, Traced
-from ._structure import Structure
-from ._transport import PackMode
+from ._handles.lazy import LazyHandle, Origin
+from ._handles.nnx import NnxState, take_graph_cache
+from ._roles.roles import Options
+from ._runtime.call import finish, prepare
+from ._runtime.diagnostics import Diagnostics, Stats
+from ._runtime.entry import entry, jitted, landed, relinked
+from ._runtime.launch import check_pending, launch, runner
+from ._runtime.program import Program, Programs, SpecCache
+from ._runtime.stages import Lowered, Traced
+from ._transport.layout import PackMode
+from ._transport.structure import Structure
 
 _all_steps: weakref.WeakSet[Step] = weakref.WeakSet()
 

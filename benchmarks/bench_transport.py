@@ -40,7 +40,7 @@ many small leaves, for each number of leaves and each transport, round-robin ove
 transports, medians of the repeats: "sweep", N arrays of 8 f32 each updated by `x * 0.99 + g`
 (the report's leaves section), and "adam", N/3 arrays of 64 f32 trained with `optax.adam` (N
 state arrays with its moments). "auto, no views" is `pack="auto"` with the packed leaves cut
-out before the step and repacked after it, every one (`autoflat._entry.SEGMENTS` off: the
+out before the step and repacked after it, every one (`autoflat._runtime.entry.SEGMENTS` off: the
 transport before elementwise operations ran on whole buffers). `--legacy` adds the packed
 transport before the compile-time fix (static slices in, one concatenate out) at up to 1,000
 leaves.
@@ -260,7 +260,7 @@ class _Legacy:
     out (while active, for comparison only)."""
 
     def __enter__(self) -> None:
-        from autoflat import _transport
+        from autoflat._transport import layout as _transport
 
         self.saved = _transport._take, _transport._concatenate
         _transport._take = lambda buf, off, n, shape, total: jax.lax.slice(
@@ -269,7 +269,7 @@ class _Legacy:
         _transport._concatenate = lambda parts, inputs=False: jnp.concatenate(parts)
 
     def __exit__(self, *exc: Any) -> None:
-        from autoflat import _transport
+        from autoflat._transport import layout as _transport
 
         _transport._take, _transport._concatenate = self.saved
 
@@ -278,13 +278,13 @@ class _NoViews:
     """Packed leaves cut out before the step, every one (while active)."""
 
     def __enter__(self) -> None:
-        from autoflat import _entry
+        from autoflat._runtime import entry as _entry
 
         self.saved = _entry.SEGMENTS
         _entry.SEGMENTS = False
 
     def __exit__(self, *exc: Any) -> None:
-        from autoflat import _entry
+        from autoflat._runtime import entry as _entry
 
         _entry.SEGMENTS = self.saved
 

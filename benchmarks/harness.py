@@ -138,7 +138,7 @@ def autoflat_private() -> SimpleNamespace:
         return (tuple(state_out), *args[1:])
 
     def auto_max_elements() -> int:
-        from autoflat import _transport
+        from autoflat._transport import layout as _transport
 
         return _transport.AUTO_MAX_ELEMENTS
 

@@ -363,7 +363,7 @@ def run_resume(mesh: Mesh, directory: Path, results: Results, checks: Checks) ->
 
     orbax is given `autoflat.unwrap(...)`: it pairs the tree it saves with a tree it derives
     from it by `jax.tree.map` (which holds the real types where the first holds handles), and
-    JAX refuses to pair a `LazyHandle` node with a `dict` (see `autoflat._handles`)."""
+    JAX refuses to pair a `LazyHandle` node with a `dict` (see `autoflat._handles.lazy`)."""
     import orbax.checkpoint as ocp
 
     params, opt_state = init_state("resume", mesh)

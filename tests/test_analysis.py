@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import autoflat
-from autoflat._analysis import Return, analyse
-from autoflat._roles import Options, assign_roles
+from autoflat._analysis.analysis import Return, analyse
+from autoflat._roles.roles import Options, assign_roles
 
 
 def functional(model, opt_state, batch, *, lr: float = 0.1):
@@ -349,7 +349,7 @@ def test_a_renamed_function_is_not_taken_for_an_edited_one():
 def test_closures_methods_and_future_annotations_match_their_source():
     """What the unedited-source check compiles the `def` in: a closure's free variables, a
     method's `__class__` cell (zero-argument super()), this module's `from __future__`."""
-    from autoflat._source import matches_code, read_source
+    from autoflat._analysis.source import matches_code, read_source
 
     scale = 2.0
 

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoflat
-from autoflat import _chunks, _stacking
+from autoflat._feeding import chunks as _chunks
+from autoflat._feeding import stacking as _stacking
 
 PRODUCER = "autoflat.chunks producer"
 

@@ -61,6 +61,10 @@ class Case:
     all_packed: tuple[float, float, float] | None = None
     # and atol for the per-step outputs then (an accuracy whose logits tie)
     all_packed_outputs: float | None = None
+    # the steps per call at which `all_packed`'s bound holds whatever the transport: a rolled
+    # `lax.scan` of the step rounds otherwise than separate calls, and noise-driven leaves
+    # amplify that as they do other fusions
+    noisy_ks: tuple[int, ...] = ()
     slow_ks: tuple[int, ...] = ()  # marked slow (out of the default suite) at these k
     # Upstream's loop reads the returned state between calls (`params["param0"][0]` into a
     # history): the handle is rebuilt, so the next call flattens it again.
@@ -149,7 +153,11 @@ CASES: dict[str, Case] = {
         # moments) up to 3e-5: 154 of the state's 4,167 elements past the usual tolerance.
         # Bound there: 8 steps of the learning rate for every element, at most 5% of them
         # past the usual tolerance (as eqx_dcgan).
+        # At k=4 the scan of 4 steps rounds otherwise than 4 calls, and the same noise ends
+        # one of those elements 2e-6 (3e-5 relative) from upstream's with any transport
+        # (JAX 0.10.2, equinox 0.13.8): the same bound.
         all_packed=(0.0, 8 * 3e-4, 0.05),
+        noisy_ks=(4,),
     ),
     "eqx_frozen_layer": Case("equinox", "make_step", eqx.filter_jit),
     # ~10 s; plain filter_value_and_grad + optax as eqx_mnist: in the slow suite
@@ -212,9 +220,9 @@ def _reference(name: str, k: int) -> Any:
     return mod.run(_apply(case, mod, case.upstream_jit), **_group(case, k))
 
 
-def _compare(case: Case, ref: Any, got: Any) -> None:
+def _compare(case: Case, ref: Any, got: Any, k: int) -> None:
     rtol, atol, outliers = case.rtol, case.atol, case.outliers
-    if case.all_packed is not None and default_pack() is True:
+    if case.all_packed is not None and (default_pack() is True or k in case.noisy_ks):
         rtol, atol, outliers = case.all_packed
     for part in ("state", "per_step", "post"):
         part_atol = atol
@@ -272,7 +280,7 @@ def test_corpus(name: str, k: int) -> None:
 
     # autoflat first: where it raises, the reference is not needed
     got = mod.run(_apply(case, mod, decorate), chunk=k, **_group(case, k), **case.run_kwargs)
-    _compare(case, _reference(name, k if case.group_by_k else 1), got)
+    _compare(case, _reference(name, k if case.group_by_k else 1), got, k)
     for step in steps:
         stats = autoflat.stats(step)
         assert stats.traces == 1, (autoflat.show(step), stats)

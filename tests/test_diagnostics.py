@@ -11,7 +11,7 @@ from helpers import accumulate
 from helpers import ones as _ones
 
 import autoflat
-from autoflat._diagnostics import RECOMPILE_WARN_AFTER
+from autoflat._runtime.diagnostics import RECOMPILE_WARN_AFTER
 
 
 def test_recompile_warning_names_the_cause():

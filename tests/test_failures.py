@@ -726,7 +726,7 @@ def test_an_interrupt_after_the_program_ran_that_lost_its_results_says_so(monkey
     consumed state say what happened, instead of JAX's "Array has been deleted"."""
     from helpers import accumulate, ones
 
-    import autoflat._launch as launch_module
+    import autoflat._runtime.launch as launch_module
 
     step = autoflat.step(accumulate, num_steps=2)
     s, _ = step(_zeros_state(), ones(2))
@@ -747,7 +747,7 @@ def test_an_interrupt_after_the_program_ran_that_lost_its_results_says_so(monkey
 def test_a_keyboard_interrupt_before_the_program_ran_leaves_the_inputs(monkeypatch):
     from helpers import accumulate, ones
 
-    import autoflat._launch as call_module
+    import autoflat._runtime.launch as call_module
 
     step = autoflat.step(accumulate, num_steps=2)
     s, _ = step(_zeros_state(), ones(2))
@@ -857,7 +857,7 @@ def test_an_interrupt_after_the_first_run_that_consumed_only_copies_is_not_a_los
     before its results landed) leaves the caller's state whole, and says nothing is lost."""
     from helpers import accumulate, ones
 
-    import autoflat._launch as launch_module
+    import autoflat._runtime.launch as launch_module
 
     step = autoflat.step(accumulate, num_steps=2)
     runner = launch_module.runner

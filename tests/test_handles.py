@@ -59,7 +59,7 @@ def test_behaves_as_the_module():
     model, opt_state, _ = _trained()
     assert autoflat.is_handle(model)
     assert isinstance(model, eqx.nn.MLP)
-    assert type(model) is autoflat._handles.LazyHandle
+    assert type(model) is autoflat._handles.lazy.LazyHandle
     assert model.__class__ is eqx.nn.MLP
     assert train.stats.rebuilds == 0
     assert model.depth == 2 and model.activation is relu
@@ -180,7 +180,7 @@ def test_array_state_handle_supports_operators():
 
 
 def test_new_handle_fills_every_slot_as_the_constructor_does():
-    from autoflat._handles import LazyHandle, Origin, new_handle
+    from autoflat._handles.lazy import LazyHandle, Origin, new_handle
 
     args = (object(), [jnp.ones(2)], None, Origin("f", "here", None), "state", None)
     a, b = LazyHandle(*args), new_handle(*args)
@@ -190,9 +190,9 @@ def test_new_handle_fills_every_slot_as_the_constructor_does():
 
 
 def test_consumed_handle_raises_consumed_error_a_runtime_error():
-    from autoflat._handles import Origin, new_handle
+    from autoflat._handles.lazy import Origin, new_handle
 
-    structure, arrays = autoflat._structure.flatten({"w": jnp.ones(2)})
+    structure, arrays = autoflat._transport.structure.flatten({"w": jnp.ones(2)})
     origin = Origin("Trainer.update", "train.py:12", None)
     h = new_handle(structure, arrays, None, origin, "model", None)
     object.__setattr__(h, "_af_consumed_by", 3)

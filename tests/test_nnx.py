@@ -455,7 +455,7 @@ def test_the_fast_path_does_not_keep_dropped_objects_alive():
 
 
 def test_graph_snapshot_sees_every_kind_of_change():
-    from autoflat._snapshot import GraphSnapshot
+    from autoflat._handles.snapshot import GraphSnapshot
 
     class Node:
         def __init__(self):

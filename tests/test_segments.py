@@ -1,4 +1,4 @@
-"""Packed leaves as views at one step a call (`autoflat._segments`): elementwise operations on
+"""Packed leaves as views at one step a call (`autoflat._transport.segments`): elementwise operations on
 aligned packed leaves run once on the whole buffer; everything else leaf by leaf.
 
 Each step here is checked against a plain `jax.jit` loop over three calls, packed
@@ -16,7 +16,9 @@ import pytest
 from helpers import tree_allclose
 
 import autoflat
-from autoflat import _entry, _segments, _transport
+from autoflat._runtime import entry as _entry
+from autoflat._transport import layout as _transport
+from autoflat._transport import segments as _segments
 
 N = 40  # leaves per list: over pack="auto"'s fewest (AUTO_MIN_LEAVES)
 

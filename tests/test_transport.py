@@ -18,7 +18,8 @@ from helpers import tree_allclose
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autoflat
-from autoflat import _entry, _transport
+from autoflat._runtime import entry as _entry
+from autoflat._transport import layout as _transport
 
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 

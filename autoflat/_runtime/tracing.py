@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _nnx, _structure
-from ._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
-from ._handles import LazyHandle
-from ._structure import FlatState, flatten
+from .._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
+from .._handles import nnx as _nnx
+from .._handles.lazy import LazyHandle
+from .._transport import structure as _structure
+from .._transport.structure import FlatState, flatten
 
 # Per thread, a stack of scopes, one per traced call (`linking`): the Variables of Flax NNX
 # state that later state imports (`_nnx.Link`), by state position.

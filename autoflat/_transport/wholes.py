@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _transport
-from ._structure import strongly_typed
+from . import layout as _transport
+from .structure import strongly_typed
 
 # A whole computation is used for a packed output only when the output takes at least this
 # share of its elements; else its segments are computed leaf by leaf.

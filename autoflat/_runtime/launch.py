@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from . import _loading
-from ._entry import calls_back
-from ._entry import landed as landed_result
-from ._errors import CONSUMED_BY_INTERRUPTED, NOT_AN_ARRAY, CallError, StateError, error
-from ._handles import LazyHandle
-from ._program import CallSpec
-from ._structure import is_array
+from .._codegen import loading as _loading
+from .._errors import CONSUMED_BY_INTERRUPTED, NOT_AN_ARRAY, CallError, StateError, error
+from .._handles.lazy import LazyHandle
+from .._transport.structure import is_array
+from .entry import calls_back
+from .entry import landed as landed_result
+from .program import CallSpec
 
 if TYPE_CHECKING:
-    from ._call import Call
+    from .call import Call
 
 
 def launch(

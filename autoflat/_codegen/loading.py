@@ -18,8 +18,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._codegen import GeneratedCode
-from ._errors import USER_ERROR_NOTE, where
+from .._errors import USER_ERROR_NOTE, where
+from .generate import GeneratedCode
 
 _registered: set[str] = set()
 # Every file name ever given out (names are never reused, even after their program is freed).

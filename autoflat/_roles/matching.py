@@ -20,10 +20,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._abstract import same_value
-from ._analysis import Analysis, Return
-from ._errors import AMBIGUOUS_STATE, RETURNS_DISAGREE, OptionError, SourceError, error
-from ._structure import is_array
+from .._analysis.analysis import Analysis, Return
+from .._errors import AMBIGUOUS_STATE, RETURNS_DISAGREE, OptionError, SourceError, error
+from .._transport.structure import is_array
+from .abstract import same_value
 
 
 def match(

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from ._stacking import _stacked
+from .stacking import _stacked
 
 _POLL_S = 0.05  # how often a blocked producer or consumer checks the other side
 _CLOSE_WAIT_S = 10.0  # how long close() waits for a producer stuck in the input's next()

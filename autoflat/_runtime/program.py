@@ -17,17 +17,17 @@ from typing import Any, NamedTuple
 
 import jax
 
-from . import _loading
-from ._analysis import Analysis
-from ._codegen import GeneratedCode, generate
-from ._errors import UNHASHABLE_STATIC, CallError, Location, error
-from ._handles import LazyHandle
-from ._infer import arg_kinds, infer
-from ._nnx import Link
-from ._roles import Options, Roles, assign_roles
-from ._structure import Placement, Structure, is_array
-from ._tracing import HELPERS
-from ._transport import Layout, PackMode
+from .._analysis.analysis import Analysis
+from .._codegen import loading as _loading
+from .._codegen.generate import GeneratedCode, generate
+from .._errors import UNHASHABLE_STATIC, CallError, Location, error
+from .._handles.lazy import LazyHandle
+from .._handles.nnx import Link
+from .._roles.infer import arg_kinds, infer
+from .._roles.roles import Options, Roles, assign_roles
+from .._transport.layout import Layout, PackMode
+from .._transport.structure import Placement, Structure, is_array
+from .tracing import HELPERS
 
 
 class Program:

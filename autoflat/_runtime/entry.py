@@ -18,11 +18,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _segments, _transport, _wholes
-from ._nnx import Link
-from ._program import CallSpec
-from ._structure import FlatState, pinned, strongly_typed
-from ._tracing import linking
+from .._handles.nnx import Link
+from .._transport import layout as _transport
+from .._transport import segments as _segments
+from .._transport import wholes as _wholes
+from .._transport.structure import FlatState, pinned, strongly_typed
+from .program import CallSpec
+from .tracing import linking
 
 
 def entry(

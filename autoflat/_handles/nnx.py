@@ -33,12 +33,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import SHARED_VARIABLE, StateError, error
-from ._handles import LazyHandle
-from ._roles import is_mutable_module
-from ._snapshot import GraphSnapshot
-from ._structure import is_array
-from ._writeback import register_holder
+from .._errors import SHARED_VARIABLE, StateError, error
+from .._transport.structure import is_array
+from .lazy import LazyHandle
+from .snapshot import GraphSnapshot
+from .writeback import is_mutable_module, register_holder
 
 _is = operator.is_
 

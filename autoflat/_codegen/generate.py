@@ -23,9 +23,9 @@ from libcst.helpers import (
     parse_template_statement,
 )
 
-from ._analysis import Analysis
-from ._errors import where
-from ._roles import Roles
+from .._analysis.analysis import Analysis
+from .._errors import where
+from .._roles.roles import Roles
 
 HELPERS = ("unflatten", "flatten", "scan")
 

@@ -20,11 +20,11 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from . import _caches, _structure
-from ._analysis import Analysis
-from ._errors import CANNOT_WRITE_BACK, NOT_A_TREE_WRITTEN, NOT_RETURNED, StateError, error
-from ._handles import _UNBUILT, LazyHandle
-from ._roles import is_mutable_module
+from .. import _caches
+from .._analysis.analysis import Analysis
+from .._errors import CANNOT_WRITE_BACK, NOT_A_TREE_WRITTEN, NOT_RETURNED, StateError, error
+from .._transport import structure as _structure
+from .lazy import _UNBUILT, LazyHandle
 
 # Buffers that autoflat wrote into callers' objects, by id, weakly, and the id of the object
 # each was written into (entries of freed arrays are pruned as the table grows).
@@ -38,6 +38,18 @@ class Holder(Protocol):
 
 # Objects that keep buffers they wrote themselves (the Flax NNX caches).
 _holders: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def is_mutable_module(value: Any) -> bool:
+    """Whether `value` is a module object that steps mutate in place (Flax NNX objects).
+
+    Checked without importing any library the user has not imported.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
+    return base is not None and isinstance(value, base)
 
 
 def record_written(arrays: Iterable[Any], owner: Any) -> None:

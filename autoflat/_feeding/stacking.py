@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-from ._errors import (
+from .._errors import (
     CHUNK_LEAF,
     CHUNK_LEAF_TYPE,
     CHUNK_SHARDING,

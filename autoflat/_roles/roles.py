@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any, Literal
 
-from ._analysis import Analysis, Return
-from ._errors import (
+from .._analysis.analysis import Analysis, Return
+from .._errors import (
     BAD_OPTION,
     RETURNS_DISAGREE,
     ROLE_CONFLICT,
@@ -109,18 +108,6 @@ class Roles:
         """State parameters that are not returned: the caller's objects are updated in place."""
         returned = set(self.returned_state)
         return tuple(p for p in self.state if p not in returned)
-
-
-def is_mutable_module(value: Any) -> bool:
-    """Whether `value` is a module object that steps mutate in place (Flax NNX objects).
-
-    Checked without importing any library the user has not imported.
-    """
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None:
-        return False
-    base = getattr(nnx, "Pytree", None) or getattr(nnx, "Object", None)
-    return base is not None and isinstance(value, base)
 
 
 def check_options(analysis: Analysis, options: Options) -> None:

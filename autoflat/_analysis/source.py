@@ -19,7 +19,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import (
+from .._errors import (
     FUNCTOOLS_PARTIAL,
     JIT_OPTIONS,
     NO_SOURCE,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._call import Call, finish, prepare
-from ._errors import AOT_MISMATCH, CallError, error
-from ._launch import launch
+from .._errors import AOT_MISMATCH, CallError, error
+from .call import Call, finish, prepare
+from .launch import launch
 
 
 class Traced:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import libcst as cst
 import libcst.metadata as meta
 
-from ._errors import (
+from .._errors import (
     NO_SOURCE,
     RETURNS_DISAGREE,
     UNSUPPORTED,
@@ -30,8 +30,8 @@ from ._errors import (
     error,
     where,
 )
-from ._source import matches_code, read_source, unwrap_function
-from ._visitor import Visitor
+from .source import matches_code, read_source, unwrap_function
+from .visitor import Visitor
 
 ParamKind = Literal["positional_only", "positional_or_keyword", "keyword_only"]
 ReturnKind = Literal["none", "single", "tuple"]

@@ -30,13 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _nnx, _transport, _writeback
-from ._abstract import SCALARS
-from ._entry import relinked
-from ._errors import BAD_CALL, CallError, error
-from ._handles import _UNBUILT, LazyHandle, new_handle
-from ._program import CallSpec, Program, instance_attributes
-from ._structure import (
+from .._errors import BAD_CALL, CallError, error
+from .._handles import nnx as _nnx
+from .._handles import writeback as _writeback
+from .._handles.lazy import _UNBUILT, LazyHandle, new_handle
+from .._roles.abstract import SCALARS
+from .._transport import layout as _transport
+from .._transport.layout import Layout
+from .._transport.structure import (
     FlatState,
     Placement,
     Structure,
@@ -46,7 +47,8 @@ from ._structure import (
     is_array,
     placement_of,
 )
-from ._transport import Layout
+from .entry import relinked
+from .program import CallSpec, Program, instance_attributes
 
 
 class Call:

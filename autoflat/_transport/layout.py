@@ -59,8 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _caches
-from ._structure import computed_dtype, strongly_typed
+from .. import _caches
+from .structure import computed_dtype, strongly_typed
 
 PackMode = Literal[False, True, "auto"]
 

@@ -45,10 +45,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _matching
-from ._abstract import SCALARS, eval_one_step, flows, positions_of, same_value
-from ._analysis import Analysis, Return
-from ._errors import (
+from .._analysis.analysis import Analysis, Return
+from .._errors import (
     MIXED_ARGUMENT,
     NNX_NOT_PYTREE,
     RAW_KEY_OR_PER_STEP,
@@ -61,26 +59,28 @@ from ._errors import (
     StateError,
     error,
 )
-from ._hazards import (
+from .._handles.nnx import opaque_module
+from .._handles.writeback import is_mutable_module
+from .._transport.structure import is_array
+from . import matching as _matching
+from .abstract import SCALARS, eval_one_step, flows, positions_of, same_value
+from .hazards import (
     check_per_step_returned,
     check_state_at,
     check_written_per_step,
     raise_leading_axis_errors,
     refuse_nested_state,
 )
-from ._nnx import opaque_module
-from ._roles import (
+from .roles import (
     Options,
     Role,
     Roles,
     RunTime,
     assign_roles,
-    is_mutable_module,
     named_in_some,
     returned_by_name,
 )
-from ._scalars import scalars_to_array, settle_scalars
-from ._structure import is_array
+from .scalars import scalars_to_array, settle_scalars
 
 _STATIC_SCALARS = (str, bytes, type(None))
 

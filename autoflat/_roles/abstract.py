@@ -21,9 +21,9 @@ import jax
 import jax.extend.core as _core
 import numpy as np
 
-from ._handles import LazyHandle
-from ._roles import Role
-from ._structure import computed_dtype, is_array, is_explicit
+from .._handles.lazy import LazyHandle
+from .._transport.structure import computed_dtype, is_array, is_explicit
+from .roles import Role
 
 SCALARS = (bool, int, float, complex)
 

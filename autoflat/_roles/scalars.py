@@ -13,9 +13,10 @@ from typing import Any
 
 import jax
 
-from ._abstract import SCALARS, eval_one_step, positions_of
-from ._analysis import Return
-from ._roles import Role, Roles, is_mutable_module
+from .._analysis.analysis import Return
+from .._handles.writeback import is_mutable_module
+from .abstract import SCALARS, eval_one_step, positions_of
+from .roles import Role, Roles
 
 # What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).
 _NEEDS_CONCRETE = (

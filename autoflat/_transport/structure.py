@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _caches
+from .. import _caches
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 

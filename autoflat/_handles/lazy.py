@@ -26,8 +26,8 @@ from typing import Any
 
 import jax
 
-from ._errors import CONSUMED, CONSUMED_LOST, ConsumedError, Location, error
-from ._structure import Placement, Structure, flatten
+from .._errors import CONSUMED, CONSUMED_LOST, ConsumedError, Location, error
+from .._transport.structure import Placement, Structure, flatten
 
 
 class Origin:
@@ -136,7 +136,7 @@ class LazyHandle:
             return buffers
         arrays = object.__getattribute__(self, "_af_unpacked")
         if arrays is None:
-            from ._transport import unpack_on_device
+            from .._transport.layout import unpack_on_device
 
             arrays = unpack_on_device(layout, buffers)
             object.__setattr__(self, "_af_unpacked", arrays)

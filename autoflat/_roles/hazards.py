@@ -22,9 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._abstract import abstract_leaves, eval_one_step, positions_of, same_value
-from ._analysis import Analysis
-from ._errors import (
+from .._analysis.analysis import Analysis
+from .._errors import (
     PER_STEP_OR_STATE,
     SHORT_FIRST_CHUNK,
     STATE_AT_NESTED,
@@ -34,8 +33,10 @@ from ._errors import (
     ShapeError,
     error,
 )
-from ._roles import Options, Role, is_mutable_module
-from ._structure import is_array
+from .._handles.writeback import is_mutable_module
+from .._transport.structure import is_array
+from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
+from .roles import Options, Role
 
 
 def check_per_step_returned(

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from ._wholes import Buffer, Gathered, Op, View, Whole, leaf, pack_group
+from .wholes import Buffer, Gathered, Op, View, Whole, leaf, pack_group
 
 # Primitives whose result element i depends only on element i of each operand (or on scalar
 # operands), with no parameter that names a shape, an axis or a position.

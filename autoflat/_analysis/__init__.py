@@ -1,0 +1,11 @@
+"""Stage 1, source analysis: what a step function's own source says, read with libcst.
+
+Owns finding the function's source (`source`: unwrapping `jax.jit` / `eqx.filter_jit`
+wrappers, reading and dedenting the text), the one libcst pass over it (`visitor`), and the
+frozen `Analysis` value built from that pass (`analysis`).
+
+Takes in: the user's function, at decoration.
+Hands on: `Analysis` (parameters, every `return` and the names it returns, the parameters the
+body writes into or calls methods on, the names read from outside, the line offset back to the
+user's file), to the roles, code generation and the runtime. Imports no other stage.
+"""
