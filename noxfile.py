@@ -1,6 +1,8 @@
-"""Development sessions: `nox -s tests`, `lint`, `typecheck`, `slow`, `bench`.
+"""Development sessions: `nox -s tests`, `lint`, `typecheck`, `slow`, `pax`, `pax_slow`, `bench`.
 
-Every session passes `session.posargs` on, e.g. `nox -s tests -- -k sharding`.
+Every session passes `session.posargs` on, e.g. `nox -s tests -- -k sharding`. pytest leaves
+the tests marked `slow` out unless asked (`-m slow`, in pyproject.toml): `slow` and `pax_slow`
+run them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ PYTHONS = ["3.11", "3.12"]
 def tests(session: nox.Session) -> None:
     """The test suite (without the long tests), on Python 3.11 (JAX 0.10) and 3.12 (JAX 0.12)."""
     session.install("-e", ".[tests]")
-    session.run("python", "-m", "pytest", "-m", "not slow", *session.posargs)
+    session.run("python", "-m", "pytest", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -49,7 +51,7 @@ def tests_pack(session: nox.Session, pack: str) -> None:
     leaf (`off`, `pack=False`) or every leaf packed (`on`, `pack=True`)."""
     session.install("-e", ".[tests]")
     session.env["AUTOFLAT_PACK"] = pack
-    session.run("python", "-m", "pytest", "-m", "not slow", *session.posargs)
+    session.run("python", "-m", "pytest", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -61,17 +63,16 @@ def docs(session: nox.Session) -> None:
 
 @nox.session(python="3.11")
 def slow(session: nox.Session) -> None:
-    """The long tests only."""
+    """The long tests only (PAX's: `pax_slow`)."""
     session.install("-e", ".[tests]")
     session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
 
 
-@nox.session
-def pax(session: nox.Session) -> None:
-    """PAX (the library the idea came from) needs an older JAX: its tutorial's step under
-    autoflat, on small PAX models, against the tutorial's own jax.jit loop. Runs on the
-    interpreter that runs nox (part of the README's test command, so CI runs it)."""
+def _install_pax(session: nox.Session) -> None:
+    """JAX 0.4.35 and PAX, then autoflat itself without its dependencies."""
+    # (no bytecode compiled at install: the session imports a fraction of what it installs)
     session.install(
+        "--no-compile",
         "jax==0.4.35",
         "jaxlib==0.4.35",
         "pax3==0.5.9",
@@ -81,8 +82,23 @@ def pax(session: nox.Session) -> None:
         "typing-extensions>=4.5",
         "pytest>=8",
     )
-    session.install("--no-deps", "-e", ".")
+    session.install("--no-compile", "--no-deps", "-e", ".")
+
+
+@nox.session
+def pax(session: nox.Session) -> None:
+    """PAX (the library the idea came from) needs an older JAX: its tutorial's step under
+    autoflat, on small PAX models, against the tutorial's own jax.jit loop. Runs on the
+    interpreter that runs nox (part of the README's test command, so CI runs it)."""
+    _install_pax(session)
     session.run("python", "-m", "pytest", "tests/test_pax.py", *session.posargs)
+
+
+@nox.session
+def pax_slow(session: nox.Session) -> None:
+    """PAX's long tests (ResNet18 from `pax.nets`), on JAX 0.4.35 as `pax`."""
+    _install_pax(session)
+    session.run("python", "-m", "pytest", "tests/test_pax.py", "-m", "slow", *session.posargs)
 
 
 @nox.session(python="3.11")

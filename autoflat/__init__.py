@@ -10,6 +10,7 @@ stacks per-step batches into the chunks such a step takes, placed on device ahea
 import importlib.metadata
 
 from ._api import clear_caches as clear_caches
+from ._api import profile as profile
 from ._api import show as show
 from ._api import stats as stats
 from ._api import step as step
@@ -27,6 +28,7 @@ from ._handles.lazy import is_handle as is_handle
 from ._handles.lazy import unwrap as unwrap
 from ._runtime.diagnostics import AutoflatRecompileWarning as AutoflatRecompileWarning
 from ._runtime.diagnostics import Stats as Stats
+from ._runtime.profile import Profile as Profile
 from ._runtime.stages import Compiled as Compiled
 from ._runtime.stages import Lowered as Lowered
 from ._runtime.stages import Traced as Traced
@@ -38,11 +40,9 @@ def _hide_library_frames() -> None:
     there too, so errors point at the user's code."""
     import os
 
-    try:
-        from jax._src import traceback_util
-    except ImportError:  # pragma: no cover - a JAX without it
-        return
-    traceback_util.register_exclusion(os.path.dirname(__file__))
+    from ._jax import hide_frames
+
+    hide_frames(os.path.dirname(__file__))
 
 
 _hide_library_frames()
@@ -62,6 +62,7 @@ __all__ = [
     "LazyHandle",
     "Lowered",
     "OptionError",
+    "Profile",
     "ShapeError",
     "SourceError",
     "StateError",
@@ -71,6 +72,7 @@ __all__ = [
     "chunks",
     "clear_caches",
     "is_handle",
+    "profile",
     "show",
     "stats",
     "step",

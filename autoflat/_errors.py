@@ -8,6 +8,10 @@ with the function's name and location and returns the exception of the right kin
 The kinds are `AutoflatError` subclasses that are also the standard exception a caller would
 catch for that mistake, as `jax.jit` raises them: arguments that do not fit the signature are a
 `TypeError`, a value of the wrong shape or an option out of range a `ValueError`.
+
+The classes and `error()` come first, then only messages, a section per stage of the step's
+life: analysis, options and the decorator, roles, the call, handles and write-back, Flax NNX,
+feeding.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def error(kind: type[AutoflatError], template: str, fn: Located, **fields: Any) 
     return kind(template.format(name=fn.name, where=fn.where, **fields))
 
 
+# -- Analysis: the step's source and what wraps it (`_analysis`).
+
 NO_SOURCE = """\
 autoflat cannot read the source of `{name}` (defined at {where}): {reason}.
 
@@ -103,6 +109,12 @@ autoflat rewrites the Python source of the step function, so it needs a function
     def update(model, opt_state, batch):
         ...
         return model, opt_state, loss
+"""
+
+FUNCTOOLS_PARTIAL = """\
+autoflat.step needs a function defined with `def`, not a functools.partial ({name}, {where}): \
+decorate the function itself and pass the bound values as arguments (broadcast= or \
+static_argnames=), or close over them.
 """
 
 UNSUPPORTED = """\
@@ -139,6 +151,30 @@ carries from step to step at the same positions, for example:
     return model, opt_state, jnp.zeros_like(loss)
 """
 
+WRAPPED_STEP = """\
+`{name}` ({where}) is wrapped by `{wrapper}` under `@autoflat.step`. autoflat regenerates \
+the step from its source, so that wrapper would silently not run. Put `@autoflat.step` \
+directly on the `def` and apply other decorators above it, or do the wrapper's work in the \
+body:
+
+    @other_decorator
+    @autoflat.step(num_steps=10)
+    def update(...): ...
+
+(`jax.jit`, `eqx.filter_jit` and `nnx.jit` without options may stay under it: autoflat compiles
+the step itself.)
+"""
+
+JIT_OPTIONS = """\
+`{name}` ({where}) is wrapped by `jax.jit` with {options} under `@autoflat.step`, which \
+autoflat would drop (it compiles the step itself). Remove the inner `jax.jit` and give \
+autoflat the options it takes: `static_argnames=` for static arguments (a `jax.jit`'s own are \
+taken over by name); autoflat donates the state it produced on its own (`donate=`); shardings \
+come from the arguments you pass.
+"""
+
+# -- Options and the decorator: `autoflat.step(...)`, `@autoflat.step`, the public functions.
+
 BAD_OPTION = """\
 `autoflat.step(...)` for `{name}` ({where}): {what}.
 
@@ -150,11 +186,37 @@ ROLE_CONFLICT = """\
 {first} and {second}. Give each parameter at most one of state=, broadcast=, static_argnames=.
 """
 
-BAD_CALL = """\
-Calling `{name}` ({where}): {reason}.
-
-Its signature is `{name}{signature}`.
+BAD_NAMES = """\
+`autoflat.step(...)` for `{name}` ({where}): {option}= takes a parameter name or a sequence of \
+names, got {value!r}.
 """
+
+BAD_NUM_STEPS = """\
+`autoflat.step(...)` for `{name}` ({where}): num_steps must be an int >= 1, got {value!r}.
+"""
+
+BAD_PACK = """\
+`autoflat.step(...)` for `{name}` ({where}): pack must be False, True or "auto", got {value!r}.
+"""
+
+BAD_FLAG = """\
+`autoflat.step(...)` for `{name}` ({where}): {option} must be {allowed}, got {value!r}.
+"""
+
+DECORATOR_ORDER = """\
+`@autoflat.step` was applied to a {wrapper} object (`{name}`, {where}). Put `@{wrapper}` above \
+`@autoflat.step`, so autoflat transforms the function itself:
+
+    @{wrapper}
+    @autoflat.step(num_steps=10)
+    def update(...): ...
+"""
+
+NOT_A_STEP = """\
+autoflat.{api} expected a function decorated with @autoflat.step, got {value!r}.
+"""
+
+# -- Roles: what the first call's values and the source say each parameter is (`_roles`).
 
 PER_STEP_OR_STATE = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: every array of `{param}` has a leading \
@@ -179,158 +241,39 @@ locally (as under jax.jit)
 {num_steps}
 """
 
-NOTHING_TO_RECOVER = """\
-`{name}` ({where}): nothing to recover. `recover()` returns the result of a call that a \
-KeyboardInterrupt stopped after its compiled program ran; the last call either finished, or \
-was stopped before its program ran (then the state you passed in is intact: call the step \
-again with it), or the step was called again since.
+MIXED_ARGUMENT = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
+leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \
+autoflat cannot tell whether `{param}` is a per-step input or the same for every step. Split \
+it into two arguments, or say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
+    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
+    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 """
 
-CONSUMED_BY_INTERRUPTED = """\
-Calling `{name}` ({where}): state passed to this call was consumed by call {call}, which a \
-KeyboardInterrupt stopped after its compiled program ran. Its results are kept: \
-`{name}.recover()` returns them as that call would have (write-backs into your objects \
-included); call it, then go on from what it returns.
+RAW_KEY_OR_PER_STEP = """\
+Calling `{name}` ({where}) with num_steps=2: `{param}` is uint32[2], which is a raw PRNG key \
+(`jax.random.PRNGKey(0)`, the same for every step) or two steps' uint32 values (one per \
+step): autoflat cannot tell which. Say which it is:
+
+    @autoflat.step(num_steps=2, broadcast="{param}")   # a key, the same for every step
+    @autoflat.step(num_steps=2, per_step="{param}")    # one value per step
+
+(or use a typed key, `jax.random.key(0)`, which is never taken for per-step data)
 """
 
-NOT_AN_ARRAY = """\
-Calling `{name}` ({where}): `{path}` is a {type}, not an array, and `{param}` is {role}: JAX can \
-only pass arrays (and Python numbers) into the compiled step. Make it an array, or pass a \
-hashable Python value as static:
+SHORT_FIRST_CHUNK = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: no argument has a leading axis of \
+{num_steps}, and every array of `{param}` has a leading axis of {length}. This first call is \
+either a short chunk of {length} steps or one value reused by every step (a full batch); \
+autoflat will not guess. Say which:
 
-    @autoflat.step(..., static_argnames="{param}")
-"""
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # {length} steps, one slice each
+    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same `{param}` each step
+    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 
-UNHASHABLE_STATIC = """\
-Calling `{name}` ({where}): static argument `{param}` got a value of type {type} that cannot \
-be hashed, so it cannot select a compiled version. Pass a hashable value (a tuple instead of a \
-list, a frozen dataclass instead of a dict), or pass it as an array-valued argument instead of \
-naming it in static_argnames=.
-"""
-
-BAD_SCAN_LENGTH = """\
-Calling `{name}` ({where}) with num_steps={num_steps}: {reason}.
-
-Per-step inputs (here: {scanned}) carry a leading axis with one entry per step, so for
-num_steps={num_steps} stack {num_steps} batches:
-
-    batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[batch_0, ..., batch_{last}])
-
-A final chunk may be shorter than num_steps (it runs that many steps). Arguments that stay the
-same for every step of a call belong in broadcast=. State carried from step to step must be
-returned by name from every `return` (`params = optax.apply_updates(params, updates)` then
-`return params, ...`), not as an expression.
-"""
-
-STRUCTURE_CHANGED = """\
-`{name}` ({where}) changed the structure of its state `{param}` from one step to the next:
-{diff}
-
-With num_steps={num_steps} the steps of one call run in a `lax.scan`, whose carried state must
-keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed.
-A Python number goes in as an array where the first call saw the step change it or saw an array
-there; this one was not, so pass it as an array (`jnp.asarray(0)` rather than `0`), or use
-num_steps=1, where the structure may change between calls.
-"""
-
-CONSUMED = """\
-This `{param}` was consumed by call {call} of `{name}` ({where}): its buffers were donated to \
-that call, which updated them in place. Use the value that call returned instead:
-
-    {param}, ... = {name}({param}, ...)
-
-If that call was stopped by a KeyboardInterrupt after its program ran, `recover()` on the \
-step returns what it would have.
-
-To keep an independent copy before the call, use `copy.deepcopy({param})` (or
-`jax.tree.map(jnp.copy, autoflat.unwrap({param}))`), or decorate with
-`@autoflat.step(..., donate=False)`.
-"""
-
-CONSUMED_LOST = """\
-This `{param}` was consumed by call {call} of `{name}` ({where}), which an interrupt stopped \
-after its compiled program ran and before its results reached autoflat: its buffers were \
-donated to that call, and the results are lost with them. Restart from a checkpoint, or from \
-state you kept.
-"""
-
-NOT_A_TREE_WRITTEN = """\
-`{name}` ({where}) changes its argument `{param}` in place, so autoflat would write the new \
-value back into your object, but JAX takes a {type} as one leaf, not as a tree of arrays: \
-nothing in it can cross `jax.jit` (`jax.jit` refuses it too). Make {type} a pytree \
-(`@jax.tree_util.register_dataclass` on a dataclass, or `jax.tree_util.register_pytree_node`), \
-or pass and return the arrays it holds:
-
-    {param} = ...
-    return {param}, ...
-"""
-
-NOT_RETURNED = """\
-`{param}` of `{name}` ({where}) is state (named in state=) but no `return` gives it back by \
-name, and its value (a {type}) cannot be updated in place. Return it by name from every \
-`return`:
-
-    {param} = ...
-    return {param}, ...
-"""
-
-CANNOT_WRITE_BACK = """\
-`{name}` ({where}) mutates its argument `{param}` without returning it, so autoflat writes the \
-updated value back into the caller's object, but the part at `{path}` is immutable \
-({type}). Return `{param}` from the step instead:
-
-    return {param}, ...
-"""
-
-SHARED_VARIABLE = """\
-`{name}` ({where}): the same nnx.Variable is reachable as `{first}` and as `{second}`, and \
-not every argument reaching it is a Flax NNX object that the step updates in place. autoflat \
-moves a returned object (or a container other than an NNX object) across `jax.jit` as a \
-pytree, which would split the Variable into two copies that are updated apart.
-
-Shared Variables work between NNX objects that the step mutates and does not return (an
-optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
-`nnx.jit`: return neither object, or reach each Variable from one argument only.
-"""
-
-NNX_NOT_PYTREE = """\
-`{param}` of `{name}` ({where}) {holds} a Flax NNX `{cls}` declared with `pytree=False`. \
-autoflat passes Flax NNX objects across `jax.jit` as pytrees (as Flax's own `nnx.Pytree` \
-flattening does), and JAX sees this one as a single opaque value, so its Variables could be \
-neither traced nor updated. Declare `{cls}` as a pytree (the default: drop `pytree=False`, \
-hold a list of submodules in `nnx.List([...])` and other attributes with `nnx.data(...)` or \
-`nnx.static(...)`), or use `nnx.jit` for this step.
-"""
-
-USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"
-
-FUNCTOOLS_PARTIAL = """\
-autoflat.step needs a function defined with `def`, not a functools.partial ({name}, {where}): \
-decorate the function itself and pass the bound values as arguments (broadcast= or \
-static_argnames=), or close over them.
-"""
-
-BAD_NAMES = """\
-`autoflat.step(...)` for `{name}` ({where}): {option}= takes a parameter name or a sequence of \
-names, got {value!r}.
-"""
-
-BAD_NUM_STEPS = """\
-`autoflat.step(...)` for `{name}` ({where}): num_steps must be an int >= 1, got {value!r}.
-"""
-
-BAD_PACK = """\
-`autoflat.step(...)` for `{name}` ({where}): pack must be False, True or "auto", got {value!r}.
-"""
-
-NOT_A_STEP = """\
-autoflat.{api} expected a function decorated with @autoflat.step, got {value!r}.
-"""
-
-AOT_MISMATCH = """\
-Calling the compiled `{name}` ({where}) with arguments whose structures, static values, \
-shardings or roles differ from those it was lowered with. Lower it again for these arguments \
-(`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
+or pass a first chunk of {num_steps} steps (shorter final chunks are fine after it).
 """
 
 AMBIGUOUS_STATE = """\
@@ -387,78 +330,152 @@ them, or return it at a position of its own:
     return {param}, ...
 """
 
-MIXED_ARGUMENT = """\
-Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
-leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \
-autoflat cannot tell whether `{param}` is a per-step input or the same for every step. Split \
-it into two arguments, or say which it is:
+# -- The call: arguments, shapes and structures of one call, and errors raised inside it.
 
-    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
-    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
-    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
+BAD_CALL = """\
+Calling `{name}` ({where}): {reason}.
+
+Its signature is `{name}{signature}`.
 """
 
-RAW_KEY_OR_PER_STEP = """\
-Calling `{name}` ({where}) with num_steps=2: `{param}` is uint32[2], which is a raw PRNG key \
-(`jax.random.PRNGKey(0)`, the same for every step) or two steps' uint32 values (one per \
-step): autoflat cannot tell which. Say which it is:
-
-    @autoflat.step(num_steps=2, broadcast="{param}")   # a key, the same for every step
-    @autoflat.step(num_steps=2, per_step="{param}")    # one value per step
-
-(or use a typed key, `jax.random.key(0)`, which is never taken for per-step data)
+UNHASHABLE_STATIC = """\
+Calling `{name}` ({where}): static argument `{param}` got a value of type {type} that cannot \
+be hashed, so it cannot select a compiled version. Pass a hashable value (a tuple instead of a \
+list, a frozen dataclass instead of a dict), or pass it as an array-valued argument instead of \
+naming it in static_argnames=.
 """
 
-SHORT_FIRST_CHUNK = """\
-Calling `{name}` ({where}) with num_steps={num_steps}: no argument has a leading axis of \
-{num_steps}, and every array of `{param}` has a leading axis of {length}. This first call is \
-either a short chunk of {length} steps or one value reused by every step (a full batch); \
-autoflat will not guess. Say which:
+NOT_AN_ARRAY = """\
+Calling `{name}` ({where}): `{path}` is a {type}, not an array, and `{param}` is {role}: JAX can \
+only pass arrays (and Python numbers) into the compiled step. Make it an array, or pass a \
+hashable Python value as static:
 
-    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # {length} steps, one slice each
-    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same `{param}` each step
-    @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
-
-or pass a first chunk of {num_steps} steps (shorter final chunks are fine after it).
+    @autoflat.step(..., static_argnames="{param}")
 """
 
-BAD_FLAG = """\
-`autoflat.step(...)` for `{name}` ({where}): {option} must be {allowed}, got {value!r}.
+BAD_SCAN_LENGTH = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: {reason}.
+
+Per-step inputs (here: {scanned}) carry a leading axis with one entry per step, so for
+num_steps={num_steps} stack {num_steps} batches:
+
+    batches = jax.tree.map(lambda *xs: jnp.stack(xs), *[batch_0, ..., batch_{last}])
+
+A final chunk may be shorter than num_steps (it runs that many steps). Arguments that stay the
+same for every step of a call belong in broadcast=. State carried from step to step must be
+returned by name from every `return` (`params = optax.apply_updates(params, updates)` then
+`return params, ...`), not as an expression.
 """
 
-DECORATOR_ORDER = """\
-`@autoflat.step` was applied to a {wrapper} object (`{name}`, {where}). Put `@{wrapper}` above \
-`@autoflat.step`, so autoflat transforms the function itself:
+STRUCTURE_CHANGED = """\
+`{name}` ({where}) changed the structure of its state `{param}` from one step to the next:
+{diff}
 
-    @{wrapper}
-    @autoflat.step(num_steps=10)
-    def update(...): ...
+With num_steps={num_steps} the steps of one call run in a `lax.scan`, whose carried state must
+keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed.
+A Python number goes in as an array where the first call saw the step change it or saw an array
+there; this one was not, so pass it as an array (`jnp.asarray(0)` rather than `0`), or use
+num_steps=1, where the structure may change between calls.
 """
 
-WRAPPED_STEP = """\
-`{name}` ({where}) is wrapped by `{wrapper}` under `@autoflat.step`. autoflat regenerates \
-the step from its source, so that wrapper would silently not run. Put `@autoflat.step` \
-directly on the `def` and apply other decorators above it, or do the wrapper's work in the \
-body:
-
-    @other_decorator
-    @autoflat.step(num_steps=10)
-    def update(...): ...
-
-(`jax.jit`, `eqx.filter_jit` and `nnx.jit` without options may stay under it: autoflat compiles
-the step itself.)
+AOT_MISMATCH = """\
+Calling the compiled `{name}` ({where}) with arguments whose structures, static values, \
+shardings or roles differ from those it was lowered with. Lower it again for these arguments \
+(`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
 """
 
-JIT_OPTIONS = """\
-`{name}` ({where}) is wrapped by `jax.jit` with {options} under `@autoflat.step`, which \
-autoflat would drop (it compiles the step itself). Remove the inner `jax.jit` and give \
-autoflat the options it takes: `static_argnames=` for static arguments (a `jax.jit`'s own are \
-taken over by name); autoflat donates the state it produced on its own (`donate=`); shardings \
-come from the arguments you pass.
+USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"
+
+NOTHING_TO_RECOVER = """\
+`{name}` ({where}): nothing to recover. `recover()` returns the result of a call that a \
+KeyboardInterrupt stopped after its compiled program ran; the last call either finished, or \
+was stopped before its program ran (then the state you passed in is intact: call the step \
+again with it), or the step was called again since.
 """
 
-# autoflat.chunks: about the batches it is given, not about a step function (no {name} or
-# {where}); filled in with `.format` and raised as ShapeError, TypeError or ValueError.
+CONSUMED_BY_INTERRUPTED = """\
+Calling `{name}` ({where}): state passed to this call was consumed by call {call}, which a \
+KeyboardInterrupt stopped after its compiled program ran. Its results are kept: \
+`{name}.recover()` returns them as that call would have (write-backs into your objects \
+included); call it, then go on from what it returns.
+"""
+
+# -- Handles and write-back: donated buffers, state written back into the caller's objects.
+
+CONSUMED = """\
+This `{param}` was consumed by call {call} of `{name}` ({where}): its buffers were donated to \
+that call, which updated them in place. Use the value that call returned instead:
+
+    {param}, ... = {name}({param}, ...)
+
+If that call was stopped by a KeyboardInterrupt after its program ran, `recover()` on the \
+step returns what it would have.
+
+To keep an independent copy before the call, use `copy.deepcopy({param})` (or
+`jax.tree.map(jnp.copy, autoflat.unwrap({param}))`), or decorate with
+`@autoflat.step(..., donate=False)`.
+"""
+
+CONSUMED_LOST = """\
+This `{param}` was consumed by call {call} of `{name}` ({where}), which an interrupt stopped \
+after its compiled program ran and before its results reached autoflat: its buffers were \
+donated to that call, and the results are lost with them. Restart from a checkpoint, or from \
+state you kept.
+"""
+
+NOT_A_TREE_WRITTEN = """\
+`{name}` ({where}) changes its argument `{param}` in place, so autoflat would write the new \
+value back into your object, but JAX takes a {type} as one leaf, not as a tree of arrays: \
+nothing in it can cross `jax.jit` (`jax.jit` refuses it too). Make {type} a pytree \
+(`@jax.tree_util.register_dataclass` on a dataclass, or `jax.tree_util.register_pytree_node`), \
+or pass and return the arrays it holds:
+
+    {param} = ...
+    return {param}, ...
+"""
+
+NOT_RETURNED = """\
+`{param}` of `{name}` ({where}) is state (named in state=) but no `return` gives it back by \
+name, and its value (a {type}) cannot be updated in place. Return it by name from every \
+`return`:
+
+    {param} = ...
+    return {param}, ...
+"""
+
+CANNOT_WRITE_BACK = """\
+`{name}` ({where}) mutates its argument `{param}` without returning it, so autoflat writes the \
+updated value back into the caller's object, but the part at `{path}` is immutable \
+({type}). Return `{param}` from the step instead:
+
+    return {param}, ...
+"""
+
+# -- Flax NNX: shared Variables, modules that are not pytrees.
+
+SHARED_VARIABLE = """\
+`{name}` ({where}): the same nnx.Variable is reachable as `{first}` and as `{second}`, and \
+not every argument reaching it is a Flax NNX object that the step updates in place. autoflat \
+moves a returned object (or a container other than an NNX object) across `jax.jit` as a \
+pytree, which would split the Variable into two copies that are updated apart.
+
+Shared Variables work between NNX objects that the step mutates and does not return (an
+optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
+`nnx.jit`: return neither object, or reach each Variable from one argument only.
+"""
+
+NNX_NOT_PYTREE = """\
+`{param}` of `{name}` ({where}) {holds} a Flax NNX `{cls}` declared with `pytree=False`. \
+autoflat passes Flax NNX objects across `jax.jit` as pytrees (as Flax's own `nnx.Pytree` \
+flattening does), and JAX sees this one as a single opaque value, so its Variables could be \
+neither traced nor updated. Declare `{cls}` as a pytree (the default: drop `pytree=False`, \
+hold a list of submodules in `nnx.List([...])` and other attributes with `nnx.data(...)` or \
+`nnx.static(...)`), or use `nnx.jit` for this step.
+"""
+
+# -- Feeding: `autoflat.chunks`, about the batches it is given.
+# Not about a step function (no {name} or {where}): filled in with `.format` and raised as
+# ShapeError, TypeError or ValueError.
 
 CHUNK_STRUCTURE = """\
 autoflat.chunks: batch {index} has a different tree structure from batch 0: {diff}.

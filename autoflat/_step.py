@@ -176,6 +176,7 @@ class Step:
         return GeneratedSource(self._programs.all()[-1].generated.source)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # `_runtime.profile._call_and_chain` times these phases: keep the two alike.
         __tracebackhide__ = True
         take_graph_cache()  # a call through nnx.cached_partial: Flax's cache is ours to take
         # A recompile warning noted by an earlier call, issued before this one takes anything:

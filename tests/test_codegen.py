@@ -33,11 +33,11 @@ def test_scan_code_exactly():
         f"""\
         # autoflat: generated from `update` at test_codegen.py:{LINE}
         # num_steps: 4
-        # model: state (returned)
-        # opt_state: state (returned)
-        # batch: scanned (per-step input)
-        # lr: broadcast (broadcast=)
-        # scale: static (static_argnames=)
+        # model: state (returned) [rule: returned-by-name]
+        # opt_state: state (returned) [rule: returned-by-name]
+        # batch: scanned (per-step input) [rule: as-passed]
+        # lr: broadcast (broadcast=) [rule: option-or-self]
+        # scale: static (static_argnames=) [rule: option-or-self]
         # returns: state model, state opt_state, output (stacked)
         def _autoflat_update(_af_unflatten, _af_flatten, _af_scan):
             def update(_af_spec, _af_state, _af_xs, _af_broadcast):

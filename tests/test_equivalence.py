@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -84,6 +85,13 @@ def make_update(tx):
     return update
 
 
+@functools.cache
+def _update(tx_name):
+    """One update function per optimizer: the reference loops of the tests share its
+    `jax.jit` trace and compile for each structure."""
+    return make_update(TXS[tx_name])
+
+
 def reference(update, params, opt_state, batches, n):
     ref = jax.jit(update)
     losses = []
@@ -114,7 +122,7 @@ def run_autoflat(step, params, opt_state, batches, n, k):
 @pytest.mark.parametrize("tx_name", ["adam", "chain"])
 def test_matches_sequential_jit(kind, k, n, tx_name):
     tx = TXS[tx_name]
-    update = make_update(tx)
+    update = _update(tx_name)
     params = make_params(kind, jax.random.key(0))
     opt_state = tx.init(params)
     batches = make_batches(jax.random.key(1), n)

@@ -94,6 +94,7 @@ def test_flagship_digits_smoke(smoke):
     assert "test accuracy:" in out
     assert "| autoflat num_steps=10 |" in out
     assert "2 host flattens" in out
+    assert "autoflat.profile: `update` (train_digits.py:" in out and "host share" in out
 
 
 @example("pax_resnet50.py")

@@ -156,9 +156,24 @@ def test_generated_code_keeps_the_tutorial_body():
     assert "opax.apply_gradients(model, optimizer, grads=grads)" in source
 
 
-@pytest.mark.slow
+@pytest.fixture(scope="module")
+def resnet18():
+    """ResNet18, its Adam, three batches, the `update` loop's results and the `pax.scan`
+    recipe's: the same for both transports (each a compile of about 12 s)."""
+    lr = 1e-4
+    net = pax.nets.ResNet18(3, 10)
+    optimizer = opax.adam(lr)(net.parameters())
+    # 64x64 as in the tutorial: with batch 1, smaller images reach a 1x1 batch norm, where
+    # PAX itself rejects the step under jax 0.4.35 ("Detected a shared ndarray").
+    images, labels = _data((1, 3, 64, 64), 3)
+    loop = _reference(net, optimizer, images, labels)
+    scan = multistep_update(net, optimizer, (images, labels))
+    return lr, net, optimizer, images, labels, loop, scan
+
+
+@pytest.mark.slow  # `nox -s pax_slow`
 @pytest.mark.parametrize("pack", [False, "auto"])
-def test_resnet18(pack):
+def test_resnet18(pack, resnet18):
     """The smallest of `pax.nets` (ResNet18, about 12 s per compile on 2 CPU cores).
 
     With one buffer per leaf (`pack=False`): num_steps=1 equals the `update` loop to rtol
@@ -170,14 +185,9 @@ def test_resnet18(pack):
     is such a differently compiled program too (one weight element of 36,864 off by 1.9e-6
     after three steps, under JAX 0.4.35): its parameters are compared to the same bound.
     """
-    lr = 1e-4
-    net = pax.nets.ResNet18(3, 10)
-    optimizer = opax.adam(lr)(net.parameters())
-    n = 3
-    # 64x64 as in the tutorial: with batch 1, smaller images reach a 1x1 batch norm, where
-    # PAX itself rejects the step under jax 0.4.35 ("Detected a shared ndarray").
-    images, labels = _data((1, 3, 64, 64), n)
-    ref_net, ref_opt, ref_losses = _reference(net, optimizer, images, labels)
+    lr, net, optimizer, images, labels, loop, scan = resnet18
+    n = images.shape[0]
+    ref_net, ref_opt, ref_losses = loop
     close = {"rtol": 1e-5} if pack is False else {"rtol": 0, "atol": 2 * lr * n}
 
     step1 = autoflat.step(update, num_steps=1, pack=pack)
@@ -188,7 +198,7 @@ def test_resnet18(pack):
 
     step3 = autoflat.step(update, num_steps=n, pack=pack)
     net3, opt3, losses3, _ = _run_autoflat(step3, net, optimizer, images, labels, n)
-    scan_net, scan_opt, scan_losses = multistep_update(net, optimizer, (images, labels))
+    scan_net, scan_opt, scan_losses = scan
     np.testing.assert_allclose(losses3, scan_losses, rtol=1e-5)
     tree_allclose((net3, opt3), (scan_net, scan_opt), **close)
     np.testing.assert_allclose(losses3, ref_losses, rtol=1e-5)

@@ -156,9 +156,32 @@ def _state(shapes, n_states):
     return tuple(leaves(i, shapes) for i in range(n_states))
 
 
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("pack", [True, "auto"])
-@pytest.mark.parametrize(("fn", "shapes", "n_states"), CASES, ids=[c[0].__name__ for c in CASES])
+def _params():
+    """Every case with each `pack` and k. `long_chains` (a trace of 16,000 operations, and
+    what it checks, evaluation in order rather than by recursion, the same at any pack and
+    k) runs packed at k=1 only; its other three in the slow suite."""
+    names = [fn.__name__ for fn, _, _ in CASES]
+    seen: dict[str, int] = {}
+    for fn, shapes, n_states in CASES:
+        name = fn.__name__
+        if names.count(name) > 1:  # sweep0, sweep1: as pytest names repeated ids
+            seen[name] = seen.get(name, -1) + 1
+            name = f"{name}{seen[name]}"
+        for pack in (True, "auto"):
+            for k in (1, 3):
+                slow = fn is long_chains and (pack, k) != (True, 1)
+                yield pytest.param(
+                    fn,
+                    shapes,
+                    n_states,
+                    pack,
+                    k,
+                    id=f"{name}-{pack}-{k}",
+                    marks=pytest.mark.slow if slow else (),
+                )
+
+
+@pytest.mark.parametrize(("fn", "shapes", "n_states", "pack", "k"), list(_params()))
 def test_steps_over_packed_leaves_match_jax_jit(fn, shapes, n_states, pack, k):
     # at num_steps=3 the scan carries the packed buffers, its body evaluated with views
     step = autoflat.step(fn, pack=pack, num_steps=k)
@@ -227,6 +250,34 @@ def test_an_update_of_every_leaf_alike_cuts_no_leaf_out(monkeypatch, k):
     monkeypatch.setattr(_entry, "SEGMENTS", False)
     autoflat.step(sweep, pack="auto", num_steps=k)(leaves(0, SAME), gs)
     assert len(taken) == N
+
+
+def sorted_leaves(xs, g):
+    # a sort is not elementwise: each leaf is cut out of its buffer and sorted alone
+    return [jnp.sort(x) + g for x in xs]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_stats_count_the_operations_run_leaf_by_leaf(k):
+    # Counted at trace time: an update of every leaf alike runs none leaf by leaf, a sort of
+    # each leaf one per leaf; nothing is counted with nothing packed, nor on later calls.
+    gs = jnp.full((k,), 0.5, jnp.float32) if k > 1 else jnp.float32(0.5)
+    views = k == 1 or _segments.scans_with_views()  # else JAX 0.12's scan runs as traced
+    alike = autoflat.step(sweep, pack="auto", num_steps=k)
+    alike(leaves(0, SAME), gs)
+    assert autoflat.stats(alike).leaf_by_leaf == (0 if views else 1)
+    per_leaf = autoflat.step(sorted_leaves, pack="auto", num_steps=k)
+    out = per_leaf(leaves(0, SAME), gs)
+    expected = leaves(0, SAME)
+    for _ in range(k):
+        expected = jax.jit(sorted_leaves)(expected, jnp.float32(0.5))
+    tree_allclose(out, expected, exact=True)
+    assert autoflat.stats(per_leaf).leaf_by_leaf == (N if views else 1)
+    per_leaf(out, gs)
+    assert autoflat.stats(per_leaf).leaf_by_leaf == (N if views else 1)
+    flat = autoflat.step(sorted_leaves, pack=False, num_steps=k)
+    flat(leaves(0, SAME), gs)
+    assert autoflat.stats(flat).leaf_by_leaf == 0
 
 
 def mlp_loss(params, x):

@@ -55,8 +55,16 @@ def _setup(mode):
     return params, opt_state, xs, ys
 
 
-@pytest.mark.parametrize("mode", ["replicated", "sharded"])
-@pytest.mark.parametrize("k", [1, 3])
+# (1, "sharded") and (3, "replicated") repeat what the other two check: in the slow suite
+@pytest.mark.parametrize(
+    ("k", "mode"),
+    [
+        (1, "replicated"),
+        pytest.param(1, "sharded", marks=pytest.mark.slow),
+        pytest.param(3, "replicated", marks=pytest.mark.slow),
+        (3, "sharded"),
+    ],
+)
 def test_sharded_state_and_batch(mode, k):
     params, opt_state, xs, ys = _setup(mode)
     in_shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
@@ -95,8 +103,16 @@ def test_sharded_state_and_batch(mode, k):
     assert autoflat.stats(step).flattens == 2  # sharded handles take the fast path too
 
 
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("in_context", [True, False])
+# in the mesh context at k=3, outside it at k=1; the other two in the slow suite
+@pytest.mark.parametrize(
+    ("in_context", "k"),
+    [
+        pytest.param(True, 1, marks=pytest.mark.slow),
+        (True, 3),
+        (False, 1),
+        pytest.param(False, 3, marks=pytest.mark.slow),
+    ],
+)
 def test_a_mesh_with_explicit_axes(k, in_context):
     """Sharding in types (`jax.make_mesh(..., axis_types=Explicit)`): the step sees each
     array's sharding in its type and may assert it (`with_sharding_constraint` is an assert

@@ -6,12 +6,16 @@ calls methods on, the names it reads from outside, and the offset that maps line
 parsed source back to the user's file; or it raises a `SourceError` for source it cannot use.
 This module owns the `Analysis` value, reading the parameters, describing the returns (and
 whether the body falls through), the free names and the constructs refused; the one libcst
-pass that collects what the body does is `_visitor`'s.
+pass that collects what the body does is `visitor.Visitor`'s. `analyse` is a few steps: parse
+(`_parse`), check the source is still the function's (`_check_unchanged`), annotate
+(`_annotate`: that pass, positions and scopes), refuse constructs (`_check_supported`),
+describe the returns (`_returns`) and assemble the value (`_analysis`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -268,8 +272,19 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     """
     fn = unwrap_function(fn)
     source, filename, first_line = read_source(fn)
-    name = fn.__qualname__
-    at = Location(name, where(filename, first_line))
+    at = Location(fn.__qualname__, where(filename, first_line))
+    module, funcdef = _parse(source, at)
+    params, variadic = _params(fn)
+    _check_unchanged(fn, source, funcdef, params, at)
+    code = _annotate(fn.__qualname__, filename, first_line - 1, module, funcdef)
+    _check_supported(code, variadic)
+    returns = _returns(code)
+    return _analysis(code, params, returns)
+
+
+def _parse(source: str, at: Location) -> tuple[cst.Module, cst.FunctionDef]:
+    """The parsed source and the function definition it starts with, its body on lines of
+    its own."""
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as e:
@@ -286,7 +301,17 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
         new_funcdef = funcdef.with_changes(body=block)
         module = module.with_changes(body=[new_funcdef if s is funcdef else s for s in module.body])
         funcdef = new_funcdef
-    params, variadic = _params(fn)
+    return module, funcdef
+
+
+def _check_unchanged(
+    fn: Callable[..., Any],
+    source: str,
+    funcdef: cst.FunctionDef,
+    params: tuple[Param, ...],
+    at: Location,
+) -> None:
+    """Raise a `SourceError` if the source on disk is no longer that of the function."""
     fp = funcdef.params
     in_source = [p.name.value for p in (*fp.posonly_params, *fp.params, *fp.kwonly_params)]
     if (
@@ -302,86 +327,137 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
             "(it was edited since): restart or re-import it",
         )
 
+
+@dataclasses.dataclass(frozen=True)
+class _Annotated:
+    """The parsed function, annotated: what the `Visitor` pass collected, the position and
+    scope of every node, and how lines of the parsed source map to the user's file."""
+
+    name: str
+    filename: str
+    line_offset: int
+    funcdef: cst.FunctionDef
+    visitor: Visitor
+    positions: Mapping[cst.CSTNode, meta.CodeRange]
+    scopes: Mapping[cst.CSTNode, meta.Scope | None]
+
+    @property
+    def def_line(self) -> int:
+        return self.positions[self.funcdef.name].start.line + self.line_offset
+
+    @functools.cached_property
+    def falls_through(self) -> bool:
+        return _falls_through(self.funcdef.body)
+
+    @property
+    def body_last_line(self) -> int:
+        return self.positions[self.funcdef].end.line + self.line_offset
+
+    def at(self, line: int) -> Location:
+        """The function, at a line of the user's file."""
+        return Location(self.name, where(self.filename, line))
+
+
+def _annotate(
+    name: str, filename: str, line_offset: int, module: cst.Module, funcdef: cst.FunctionDef
+) -> _Annotated:
+    """One `Visitor` pass over the function, and the positions and scopes of every node."""
     wrapper = meta.MetadataWrapper(module, unsafe_skip_copy=True)
     visitor = Visitor(funcdef)
     wrapper.visit(visitor)
     positions = wrapper.resolve(meta.PositionProvider)
     scopes = wrapper.resolve(meta.ScopeProvider)
-    line_offset = first_line - 1
-    def_line = positions[funcdef.name].start.line + line_offset
+    return _Annotated(name, filename, line_offset, funcdef, visitor, positions, scopes)
 
-    unsupported = [(c, line + line_offset) for c, line in visitor.unsupported]
+
+def _check_supported(code: _Annotated, variadic: list[str]) -> None:
+    """Raise a `SourceError` at the first construct the generated code cannot hold."""
+    offset = code.line_offset
+    unsupported = [(c, line + offset) for c, line in code.visitor.unsupported]
     unsupported += [
-        ("starred", line + line_offset)
-        for node, line in visitor.returns
+        ("starred", line + offset)
+        for node, line in code.visitor.returns
         if isinstance(node.value, cst.Tuple)
         and any(isinstance(el, cst.StarredElement) for el in node.value.elements)
     ]
     if variadic:
-        unsupported.append(("varargs", def_line))
+        unsupported.append(("varargs", code.def_line))
     if unsupported:
         construct, line = unsupported[0]
         raise error(
             SourceError,
             UNSUPPORTED,
-            Location(name, where(filename, line)),
+            code.at(line),
             construct=_CONSTRUCTS.get(construct) or f"variadic parameters ({', '.join(variadic)})",
             advice=UNSUPPORTED_ADVICE[construct],
         )
 
+
+def _returns(code: _Annotated) -> tuple[Return, ...]:
+    """Every return of the function's own scope, and the implicit `return None` of a body
+    that can fall off its end, checked to agree in shape."""
     returns = tuple(
-        _describe_return(node, line + line_offset, visitor) for node, line in visitor.returns
+        _describe_return(node, line + code.line_offset, code.visitor)
+        for node, line in code.visitor.returns
     )
-    falls = _falls_through(funcdef.body)
-    body_last = positions[funcdef].end.line + line_offset
-    if falls:
-        returns = (*returns, Return(body_last, "none", ()))
-    _check_returns(Location(name, where(filename, def_line)), returns)
+    if code.falls_through:
+        returns = (*returns, Return(code.body_last_line, "none", ()))
+    _check_returns(code.at(code.def_line), returns)
+    return returns
 
-    body = funcdef.body
-    body_first = positions[body.body[0]].start.line if isinstance(body, cst.IndentedBlock) else 0
 
-    # Free names: read somewhere in the source and bound nowhere in it (builtins included).
-    # The step's own name counts as free: the parsed source binds it, but at run time the body
-    # reads it from the user's module (a recursive call, the step decorated there).
+def _free_names(code: _Annotated) -> frozenset[str]:
+    """Names read somewhere in the source and bound nowhere in it (builtins included).
+
+    The step's own name counts as free: the parsed source binds it, but at run time the body
+    reads it from the user's module (a recursive call, the step decorated there).
+    """
     free: set[str] = set()
-    for scope in {s for s in scopes.values() if s is not None}:
+    for scope in {s for s in code.scopes.values() if s is not None}:
         for access in scope.accesses:
             if all(
-                isinstance(a, meta.BuiltinAssignment) or getattr(a, "node", None) is funcdef
+                isinstance(a, meta.BuiltinAssignment) or getattr(a, "node", None) is code.funcdef
                 for a in access.referents
             ):
                 free.add(_access_name(access.node))
     free.discard("")
+    return frozenset(free)
 
+
+def _analysis(code: _Annotated, params: tuple[Param, ...], returns: tuple[Return, ...]) -> Analysis:
+    """The `Analysis` value, its lines those of the user's file."""
+    visitor, offset = code.visitor, code.line_offset
+    body = code.funcdef.body
+    body_first = (
+        code.positions[body.body[0]].start.line if isinstance(body, cst.IndentedBlock) else 0
+    )
     return Analysis(
-        name=name,
-        filename=filename,
-        def_line=def_line,
-        body_first_line=body_first + line_offset,
-        body_last_line=body_last,
+        name=code.name,
+        filename=code.filename,
+        def_line=code.def_line,
+        body_first_line=body_first + offset,
+        body_last_line=code.body_last_line,
         params=params,
         returns=returns,
-        falls_through=falls,
+        falls_through=code.falls_through,
         assigned=frozenset(visitor.assigned),
-        assigned_lines=tuple(sorted((k, v + line_offset) for k, v in visitor.assigned.items())),
+        assigned_lines=tuple(sorted((k, v + offset) for k, v in visitor.assigned.items())),
         method_called=frozenset(visitor.method_called),
         in_place=tuple(
-            (p, spelling, line + line_offset)
-            for p, (spelling, line) in sorted(visitor.in_place.items())
+            (p, spelling, line + offset) for p, (spelling, line) in sorted(visitor.in_place.items())
         ),
         removed=tuple(
-            (p, spelling, line + line_offset)
+            (p, spelling, line + offset)
             for p, (spelling, line) in sorted(visitor.removed.items())
             if p not in visitor.in_place and p not in visitor.assigned
         ),
         attribute_reads=tuple(sorted(visitor.attribute_reads)),
-        free_names=frozenset(free),
+        free_names=_free_names(code),
         all_names=frozenset(visitor.names),
-        line_offset=line_offset,
-        funcdef=funcdef,
+        line_offset=offset,
+        funcdef=code.funcdef,
         return_nodes=frozenset(node for node, _ in visitor.returns),
-        positions=positions,
+        positions=code.positions,
     )
 
 

@@ -4,13 +4,16 @@
 unchanged (comments and formatting kept), every `return` of its own scope rewritten to
 `(new state leaves), (outputs)`. The result is one module defining a factory whose parameters
 are everything that enters the code from outside (autoflat's helpers, then the user's closure
-variables), and a line map from the generated lines back to the user's.
+variables), and a line map from the generated lines back to the user's. Its steps: pick the
+names (`_pick_names`), rewrite the body (`_body`), bind the parameters (`_binds`), write the
+header (`_header`) and fill the template (`_module`).
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -231,6 +234,24 @@ def {factory}({params}):
 """
 
 
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """Every name the generated code introduces, picked by one `Namer` (see `_pick_names`)."""
+
+    helpers: dict[str, str]  # helper role (`"flatten"`, ...) -> its name
+    spec: str
+    state: str
+    xs: str
+    broadcast: str
+    carry: str  # the scan's carry and per-step slice (`num_steps > 1`)
+    x: str
+    marker: str  # the template's placeholder statement for the body
+    factory: str
+    function: str
+    step: str
+    unpacked: tuple[str, ...]  # what a `return f(...)` is unpacked into (layout `unpacked`)
+
+
 def generate(
     analysis: Analysis,
     roles: Roles,
@@ -255,8 +276,27 @@ def generate(
 
     A `GeneratedCode` value.
     """
-    funcdef = analysis.funcdef
-    name = funcdef.name.value
+    names = _pick_names(analysis, roles, user_globals, freevars)
+    scanning = num_steps > 1
+    body, origin = _body(analysis, roles, names, freevars)
+    statements = [*_binds(roles, names, scanning), *body]
+    header = _header(analysis, roles, num_steps)
+    module = _module(names, freevars, scanning, statements, header)
+    return GeneratedCode(
+        source=module.code,
+        factory=names.factory,
+        function=names.function,
+        helpers=names.helpers,
+        line_map=_line_map(module, origin, analysis),
+    )
+
+
+def _pick_names(
+    analysis: Analysis, roles: Roles, user_globals: Mapping[str, Any], freevars: tuple[str, ...]
+) -> _Names:
+    """The generated names, in a fixed order (so they are deterministic), none of them one
+    the user's code could mean."""
+    name = analysis.funcdef.name.value
     namer = Namer(
         analysis.all_names
         | set(analysis.param_names)
@@ -268,7 +308,7 @@ def generate(
     helpers = {h: namer(f"_af_{h}") for h in HELPERS}
     if roles.layout.keys:
         helpers["items"] = namer("_af_items")  # a dict's values by the first call's keys
-    spec, state_in, xs_in, bcast_in = (
+    spec, state, xs, broadcast = (
         namer(n) for n in ("_af_spec", "_af_state", "_af_xs", "_af_broadcast")
     )
     carry, x, marker = namer("_af_carry"), namer("_af_x"), namer("_af_body")
@@ -276,58 +316,36 @@ def generate(
     # The generated function keeps the step's name, unless the body reads that name (a call of
     # the module-level function or step): then it must not be shadowed by the generated one.
     function = namer(name) if name in analysis.free_names else name
-    step_name = namer(f"{name}_step")
-    scanning = num_steps > 1
-
-    state = roles.state
-    returned_at = {
-        state[i]: pos for pos, (kind, i) in enumerate(roles.layout.entries) if kind == "state"
-    }
-    out_positions = [pos for pos, (kind, _) in enumerate(roles.layout.entries) if kind == "out"]
-
-    # `return f(...)` whose value is a tuple with state among its items: unpacked into names
-    # first (`_af_ret0, _af_ret1 = f(...); return ...`), a tuple of another length raising;
-    # a dict through `_af_items(..., keys)`, which checks its keys.
+    step = namer(f"{name}_step")
     unpacked = (
-        [namer(f"_af_ret{i}") for i in range(len(roles.layout.entries))]
+        tuple(namer(f"_af_ret{i}") for i in range(len(roles.layout.entries)))
         if roles.layout.kind == "unpacked"
-        else []
+        else ()
+    )
+    return _Names(
+        helpers=helpers,
+        spec=spec,
+        state=state,
+        xs=xs,
+        broadcast=broadcast,
+        carry=carry,
+        x=x,
+        marker=marker,
+        factory=factory,
+        function=function,
+        step=step,
+        unpacked=unpacked,
     )
 
-    def make_return(node: cst.Return | None) -> Any:
-        if unpacked and node is not None and node.value is not None:
-            names = [cst.Name(n) for n in unpacked]
-            value = node.value
-            if roles.layout.keys:
-                keys = cst.parse_expression(repr(tuple(roles.layout.keys)))
-                value = cst.Call(cst.Name(helpers["items"]), [cst.Arg(value), cst.Arg(keys)])
-            unpack = cst.Assign(
-                targets=[cst.AssignTarget(cst.Tuple([cst.Element(n) for n in names], [], []))],
-                value=value,
-                semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
-            )
-            return cst.FlattenSentinel([unpack, assemble(list(names), node)])
-        return assemble(_elements(node.value if node is not None else None), node)
 
-    def assemble(elements: list[cst.BaseExpression], node: cst.Return | None) -> cst.Return:
-        flats = [
-            parse_template_expression(
-                _FLATTEN,
-                flatten=cst.Name(helpers["flatten"]),
-                spec=cst.Name(spec),
-                index=cst.Integer(str(i)),
-                value=elements[returned_at[p]] if p in returned_at else cst.Name(p),
-            )
-            for i, p in enumerate(state)
-        ]
-        outs = [elements[pos] for pos in out_positions] if elements else []
-        line = parse_template_statement(_RETURN, state=_tuple(flats), outputs=_tuple(outs))
-        new = cst.ensure_type(cst.ensure_type(line, cst.SimpleStatementLine).body[0], cst.Return)
-        return new if node is None else new.with_changes(semicolon=node.semicolon)
-
-    # The user's body, its own returns rewritten.
+def _body(
+    analysis: Analysis, roles: Roles, names: _Names, freevars: tuple[str, ...]
+) -> tuple[list[cst.BaseStatement], Mapping[cst.CSTNode, cst.CSTNode]]:
+    """The user's statements, their own returns rewritten, under a comment naming where they
+    come from; and the user's statement behind each new one (for the line map)."""
+    make_return = functools.partial(_new_return, roles, names)
     rewriter = _ReturnRewriter(analysis.return_nodes, make_return)
-    new_func = cst.ensure_type(funcdef.visit(rewriter), cst.FunctionDef)
+    new_func = cst.ensure_type(analysis.funcdef.visit(rewriter), cst.FunctionDef)
     if "__class__" in freevars and analysis.param_names:
         # Zero-argument `super()` in a method: the generated function is not the method, so
         # name its class (the method's own `__class__` cell) and instance explicitly.
@@ -339,59 +357,70 @@ def generate(
         statements = statements[1:]  # the docstring documents the step, it does not run
     if analysis.falls_through:
         statements.append(cst.SimpleStatementLine(body=[make_return(None)]))
-    body_label = (
-        f"body of {name} ({where(_short(analysis.filename), analysis.body_first_line)}"
+    label = (
+        f"body of {analysis.funcdef.name.value} "
+        f"({where(_short(analysis.filename), analysis.body_first_line)}"
         f"-{analysis.body_last_line})"
     )
     first: Any = statements[0]
     statements[0] = first.with_changes(
-        leading_lines=[*_comment_lines([body_label]), *first.leading_lines]
+        leading_lines=[*_comment_lines([label]), *first.leading_lines]
     )
+    return statements, rewriter.origin
 
-    # Binding of every parameter at the top of the step.
-    bcast = roles.of("broadcast")
-    xs_names = roles.of("scanned")
-    state_src = carry if scanning else state_in
-    x_src = x if scanning else xs_in
-    unflatten = cst.Name(helpers["unflatten"])
-    binds: list[cst.BaseStatement] = []
-    for p, role in zip(roles.params, roles.roles, strict=True):
-        target = cst.Name(p)
-        if role == "state":
-            binds.append(
-                parse_template_statement(
-                    _BIND_UNFLATTEN,
-                    param=target,
-                    unflatten=unflatten,
-                    source=cst.Name(state_src),
-                    index=cst.Integer(str(state.index(p))),
-                )
-            )
-        elif role == "scanned":
-            binds.append(
-                parse_template_statement(
-                    _BIND_INDEX,
-                    param=target,
-                    source=cst.Name(x_src),
-                    index=cst.Integer(str(xs_names.index(p))),
-                )
-            )
-        elif role == "broadcast":
-            binds.append(
-                parse_template_statement(
-                    _BIND_UNFLATTEN,
-                    param=target,
-                    unflatten=unflatten,
-                    source=cst.Name(bcast_in),
-                    index=cst.Integer(str(bcast.index(p))),
-                )
-            )
-        else:
-            binds.append(
-                parse_template_statement(
-                    _BIND_STATIC, param=target, spec=cst.Name(spec), key=cst.SimpleString(repr(p))
-                )
-            )
+
+def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
+    """What one of the function's own `return`s becomes (None: falling off its end).
+
+    `return f(...)` whose value is a tuple with state among its items is unpacked into names
+    first (`_af_ret0, _af_ret1 = f(...); return ...`), a tuple of another length raising; a
+    dict goes through `_af_items(..., keys)`, which checks its keys.
+    """
+    if names.unpacked and node is not None and node.value is not None:
+        targets = [cst.Name(n) for n in names.unpacked]
+        value = node.value
+        if roles.layout.keys:
+            keys = cst.parse_expression(repr(tuple(roles.layout.keys)))
+            value = cst.Call(cst.Name(names.helpers["items"]), [cst.Arg(value), cst.Arg(keys)])
+        unpack = cst.Assign(
+            targets=[cst.AssignTarget(cst.Tuple([cst.Element(n) for n in targets], [], []))],
+            value=value,
+            semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
+        )
+        return cst.FlattenSentinel([unpack, _assemble(roles, names, list(targets), node)])
+    return _assemble(roles, names, _elements(node.value if node is not None else None), node)
+
+
+def _assemble(
+    roles: Roles, names: _Names, elements: list[cst.BaseExpression], node: cst.Return | None
+) -> cst.Return:
+    """`return (flattened state), (outputs)` from the elements the user returned."""
+    entries = roles.layout.entries
+    state = roles.state
+    returned_at = {state[i]: pos for pos, (kind, i) in enumerate(entries) if kind == "state"}
+    flats = [
+        parse_template_expression(
+            _FLATTEN,
+            flatten=cst.Name(names.helpers["flatten"]),
+            spec=cst.Name(names.spec),
+            index=cst.Integer(str(i)),
+            value=elements[returned_at[p]] if p in returned_at else cst.Name(p),
+        )
+        for i, p in enumerate(state)
+    ]
+    out_positions = [pos for pos, (kind, _) in enumerate(entries) if kind == "out"]
+    outs = [elements[pos] for pos in out_positions] if elements else []
+    line = parse_template_statement(_RETURN, state=_tuple(flats), outputs=_tuple(outs))
+    new = cst.ensure_type(cst.ensure_type(line, cst.SimpleStatementLine).body[0], cst.Return)
+    return new if node is None else new.with_changes(semicolon=node.semicolon)
+
+
+def _binds(roles: Roles, names: _Names, scanning: bool) -> list[cst.BaseStatement]:
+    """One statement per parameter, at the top of the step, binding it to what it takes."""
+    binds = [
+        _bind(p, role, roles, names, scanning)
+        for p, role in zip(roles.params, roles.roles, strict=True)
+    ]
     if binds:
         label = (
             "unflatten state and bind this step's inputs"
@@ -399,54 +428,88 @@ def generate(
             else "unflatten state and bind inputs"
         )
         binds[0] = binds[0].with_changes(leading_lines=_comment_lines([label]))
+    return binds
 
+
+def _bind(param: str, role: str, roles: Roles, names: _Names, scanning: bool) -> cst.BaseStatement:
+    target = cst.Name(param)
+    if role == "scanned":
+        return parse_template_statement(
+            _BIND_INDEX,
+            param=target,
+            source=cst.Name(names.x if scanning else names.xs),
+            index=cst.Integer(str(roles.of("scanned").index(param))),
+        )
+    if role == "state":
+        source, index = (names.carry if scanning else names.state), roles.state.index(param)
+    elif role == "broadcast":
+        source, index = names.broadcast, roles.of("broadcast").index(param)
+    else:
+        return parse_template_statement(
+            _BIND_STATIC,
+            param=target,
+            spec=cst.Name(names.spec),
+            key=cst.SimpleString(repr(param)),
+        )
+    return parse_template_statement(
+        _BIND_UNFLATTEN,
+        param=target,
+        unflatten=cst.Name(names.helpers["unflatten"]),
+        source=cst.Name(source),
+        index=cst.Integer(str(index)),
+    )
+
+
+def _header(analysis: Analysis, roles: Roles, num_steps: int) -> list[str]:
+    """The header comment's lines: the source function, `num_steps`, every parameter's role
+    with its evidence, and what each returned position is."""
     header = [
         f"autoflat: generated from `{analysis.name}` at "
         f"{where(_short(analysis.filename), analysis.def_line)}",
         f"num_steps: {num_steps}",
-        *(
-            f"{p}: {r} ({why})"
-            for p, r, why in zip(roles.params, roles.roles, roles.reasons, strict=True)
-        ),
+        *(f"{p}: {e}" for p, e in zip(roles.params, roles.evidence, strict=True)),
     ]
-    if roles.layout.kind != "none":
-        shown = []
-        for kind, i in roles.layout.entries:
-            shown.append(
-                f"state {state[i]}"
-                if kind == "state"
-                else "output" + (" (stacked)" if scanning else "")
-            )
-        if roles.layout.keys:
-            shown = [f"{k!r}: {v}" for k, v in zip(roles.layout.keys, shown, strict=True)]
+    layout = roles.layout
+    if layout.kind != "none":
+        output = "output (stacked)" if num_steps > 1 else "output"
+        shown = [
+            f"state {roles.state[i]}" if kind == "state" else output for kind, i in layout.entries
+        ]
+        if layout.keys:
+            shown = [f"{k!r}: {v}" for k, v in zip(layout.keys, shown, strict=True)]
         header.append("returns: " + ", ".join(shown))
+    return header
 
-    names = {
-        "factory": factory,
-        "function": function,
-        "spec": spec,
-        "state": state_in,
-        "xs": xs_in,
-        "broadcast": bcast_in,
-        "body": marker,
+
+def _module(
+    names: _Names,
+    freevars: tuple[str, ...],
+    scanning: bool,
+    statements: list[cst.BaseStatement],
+    header: list[str],
+) -> cst.Module:
+    """The template filled in: the factory, the step function, the statements as its body
+    (in a `scan` step when scanning) and the header comment."""
+    placeholders = {
+        "factory": names.factory,
+        "function": names.function,
+        "spec": names.spec,
+        "state": names.state,
+        "xs": names.xs,
+        "broadcast": names.broadcast,
+        "body": names.marker,
     }
     if scanning:
-        names.update(step=step_name, carry=carry, x=x, scan=helpers["scan"])
-    replacements: dict[str, Any] = {k: cst.Name(v) for k, v in names.items()}
+        placeholders.update(
+            step=names.step, carry=names.carry, x=names.x, scan=names.helpers["scan"]
+        )
+    replacements: dict[str, Any] = {k: cst.Name(v) for k, v in placeholders.items()}
     replacements["params"] = cst.Parameters(
-        params=[cst.Param(cst.Name(v)) for v in (*helpers.values(), *freevars)]
+        params=[cst.Param(cst.Name(v)) for v in (*names.helpers.values(), *freevars)]
     )
     module = parse_template_module(_SCAN_TEMPLATE if scanning else _PLAIN_TEMPLATE, **replacements)
-    module = module.visit(_BodyMarker(marker, [*binds, *statements]))
-    module = module.with_changes(header=_comment_lines(header))
-
-    return GeneratedCode(
-        source=module.code,
-        factory=factory,
-        function=function,
-        helpers=helpers,
-        line_map=_line_map(module, rewriter.origin, analysis),
-    )
+    module = module.visit(_BodyMarker(names.marker, statements))
+    return module.with_changes(header=_comment_lines(header))
 
 
 def _line_map(

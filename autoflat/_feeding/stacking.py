@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
+from .. import _jax
 from .._errors import (
     CHUNK_LEAF,
     CHUNK_LEAF_TYPE,
@@ -53,11 +54,7 @@ def chunk_sharding(sharding: Sharding) -> Sharding:
     """
     if isinstance(sharding, NamedSharding):
         spec = sharding.spec
-        extra = {
-            name: getattr(spec, name)
-            for name in ("unreduced", "reduced")
-            if getattr(spec, name, None)  # newer JAX only; empty sets are the default
-        }
+        extra = _jax.spec_extras(spec)
         return NamedSharding(
             sharding.mesh, PartitionSpec(None, *spec, **extra), memory_kind=sharding.memory_kind
         )

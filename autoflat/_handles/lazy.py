@@ -21,7 +21,11 @@ it cannot save a handle directly.
 
 from __future__ import annotations
 
+import collections
 import copy as _copy
+import os
+import sys
+import types
 from typing import Any
 
 import jax
@@ -32,14 +36,30 @@ from .._transport.structure import Placement, Structure, flatten
 
 class Origin:
     """Who produced a handle: the step's name (`__qualname__`) and `file:line` for messages
-    (it is `Located`), and its counters for rebuilds."""
+    (it is `Located`), its counters for rebuilds, and where its handles were rebuilt
+    (`rebuilt_at`: the caller's `file:line`, counted; `autoflat.profile` reports them)."""
 
-    __slots__ = ("name", "where", "stats")
+    __slots__ = ("name", "where", "stats", "rebuilt_at")
 
     def __init__(self, name: str, where: str, stats: Any) -> None:
         self.name = name
         self.where = where
         self.stats = stats
+        self.rebuilt_at: collections.Counter[str] = collections.Counter()
+
+    def note_rebuild(self) -> None:
+        """Count a rebuild, at the first frame outside autoflat (a rebuild is rare: walking
+        a few frames costs nothing next to it)."""
+        self.stats.rebuilds += 1
+        frame: types.FrameType | None = sys._getframe(2)
+        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            frame = frame.f_back
+        if frame is not None:
+            code = frame.f_code
+            self.rebuilt_at[f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"] += 1
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class LazyHandle:
@@ -114,7 +134,7 @@ class LazyHandle:
             object.__setattr__(self, "_af_obj", obj)
             origin = object.__getattribute__(self, "_af_origin")
             if origin is not None:
-                origin.stats.rebuilds += 1
+                origin.note_rebuild()
         elif object.__getattribute__(self, "_af_consumed_by"):
             LazyHandle._af_check(self)
         return obj

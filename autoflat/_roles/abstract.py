@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend.core as _core
 import numpy as np
 
+from .. import _jax
 from .._handles.lazy import LazyHandle
 from .._transport.structure import computed_dtype, is_array, is_explicit
-from .roles import Role
+from .options import Role
 
 SCALARS = (bool, int, float, complex)
 
@@ -143,9 +143,7 @@ def flows(
             args = _arguments(parts, arrays)
             outs = []
             for item in split(call(args)):
-                traced = [
-                    x for x in jax.tree_util.tree_leaves(item) if isinstance(x, jax.core.Tracer)
-                ]
+                traced = [x for x in jax.tree_util.tree_leaves(item) if _jax.is_tracer(x)]
                 counts.append(len(traced))
                 outs += traced
             return outs
@@ -216,68 +214,43 @@ def _walk(
     parameter it is the own leaf of, through casts and reshapes. A call of a jaxpr (a
     `jax.jit`-ed helper, a custom derivative, a remat) is walked into; another operation
     holding jaxprs (a scan, a cond) takes no operand directly."""
-    source: dict[Any, frozenset[str]] = dict(zip(jaxpr.invars, sources_in, strict=True))
+    source: dict[Any, frozenset[str]] = dict(zip(_jax.inputs(jaxpr), sources_in, strict=True))
     root: dict[Any, str] = {
-        v: r for v, r in zip(jaxpr.invars, roots_in, strict=True) if r is not None
+        v: r for v, r in zip(_jax.inputs(jaxpr), roots_in, strict=True) if r is not None
     }
     direct: dict[Any, frozenset[str]] = {}
 
     def get(v: Any) -> tuple[frozenset[str], str | None]:
-        if hasattr(v, "val"):  # a literal
+        if _jax.is_literal(v):
             return _NONE, None
         return source.get(v, _NONE), root.get(v)
 
-    for eqn in jaxpr.eqns:
-        ins = [v for v in eqn.invars if not hasattr(v, "val")]
-        inner = _called(eqn)
+    for eqn in _jax.equations(jaxpr):
+        ins = [v for v in _jax.inputs(eqn) if not _jax.is_literal(v)]
+        inner = _jax.called_jaxpr(eqn)
         if inner is not None:
-            got = [get(v) for v in eqn.invars]
+            got = [get(v) for v in _jax.inputs(eqn)]
             walked = _walk(inner, [g[0] for g in got], [g[1] for g in got])
-            for v, s_, d_, r_ in zip(eqn.outvars, *walked, strict=True):
+            for v, s_, d_, r_ in zip(_jax.outputs(eqn), *walked, strict=True):
                 source[v], direct[v] = s_, d_
                 if r_ is not None:
                     root[v] = r_
             continue
         found = _NONE.union(*(source.get(v, _NONE) for v in ins))
-        holds = any(_jaxprs(value) for value in eqn.params.values())
+        holds = _jax.holds_jaxprs(eqn)
         near = _NONE if holds else frozenset(root[v] for v in ins if v in root)
-        through = eqn.primitive.name in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
-        for v in eqn.outvars:
+        through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
+        for v in _jax.outputs(eqn):
             source[v] = found
             direct[v] = near
             if through:
                 root[v] = root[ins[0]]
-    got_out = [get(v) for v in jaxpr.outvars]
+    got_out = [get(v) for v in _jax.outputs(jaxpr)]
     return (
         [s_ for s_, _ in got_out],
-        [_NONE if hasattr(v, "val") else direct.get(v, _NONE) for v in jaxpr.outvars],
+        [_NONE if _jax.is_literal(v) else direct.get(v, _NONE) for v in _jax.outputs(jaxpr)],
         [r_ for _, r_ in got_out],
     )
-
-
-def _jaxprs(value: Any) -> list[Any]:
-    """The jaxprs an equation's parameter holds (one, or a tuple of branches)."""
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    found = []
-    for x in items:
-        if isinstance(x, (_core.ClosedJaxpr, _core.Jaxpr)):
-            inner = getattr(x, "jaxpr", None)  # a closed jaxpr's, where it is a type of its own
-            found.append(inner if hasattr(inner, "eqns") else x)
-    return found
-
-
-def _called(eqn: Any) -> Any:
-    """The jaxpr an equation calls with its own inputs and outputs (`pjit`, `closed_call`,
-    `custom_jvp_call`, `custom_vjp_call`, `remat`), or None."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        found = _jaxprs(eqn.params.get(name))
-        if (
-            len(found) == 1
-            and len(found[0].invars) == len(eqn.invars)
-            and len(found[0].outvars) == len(eqn.outvars)
-        ):
-            return found[0]
-    return None
 
 
 # Operations that pass a value through (a cast, a copy, a reshape): what they make is still
@@ -322,7 +295,7 @@ def eval_one_step(
                 found["paths"].append(paths)
                 leaves += changed
             found["leaves"] = leaves
-            traced = [isinstance(x, jax.core.Tracer) for x in leaves]
+            traced = [_jax.is_tracer(x) for x in leaves]
             found["traced"] = traced
             return [x for x, t in zip(leaves, traced, strict=True) if t]
 

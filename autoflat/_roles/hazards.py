@@ -2,10 +2,11 @@
 option that settles it, since guessed wrong it trains silently wrong.
 
 - **Leading axes that do not settle an argument's role** (with `num_steps > 1`): an argument
-  whose array leaves have mixed leading axes, and a first call whose only candidates all have
-  a shorter leading axis (a short first chunk, or a full batch reused?). Both wait until state
+  whose array leaves have mixed leading axes, a raw `uint32[2]` PRNG key at `num_steps=2`
+  (two steps' counts, or one key?), and a first call whose only candidates all have a
+  shorter leading axis (a short first chunk, or a full batch reused?). All wait until state
   is matched by value (a state argument returned under another name may have leaves of any
-  leading axis) and name `per_step=`, `broadcast=` and `state=`.
+  leading axis) and name the options that settle them.
 - **Per-step or state?** (with `num_steps > 1`): an argument the body writes into whose arrays
   all have a leading axis of num_steps (a per-step batch changed locally, or state?), and a
   per-step-looking container that a return position gives back one step's slice of (state
@@ -24,7 +25,9 @@ import numpy as np
 
 from .._analysis.analysis import Analysis
 from .._errors import (
+    MIXED_ARGUMENT,
     PER_STEP_OR_STATE,
+    RAW_KEY_OR_PER_STEP,
     SHORT_FIRST_CHUNK,
     STATE_AT_NESTED,
     STATE_NESTED,
@@ -36,7 +39,8 @@ from .._errors import (
 from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
 from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
-from .roles import Options, Role
+from .matching import is_key
+from .options import Options, Role
 
 
 def check_per_step_returned(
@@ -44,10 +48,10 @@ def check_per_step_returned(
     fn: Callable[..., Any],
     params: tuple[str, ...],
     values: dict[str, Any],
-    kinds: dict[str, tuple[Role, str]],
+    kinds: dict[str, Role],
     for_eval: dict[str, Role],
     options: Options,
-    matched: dict[str, tuple[int, str]],
+    given_back: dict[str, int],
     open_positions: list[int],
     first: Any,
     out: Any,
@@ -58,12 +62,12 @@ def check_per_step_returned(
     may instead be state whose first axis happens to be num_steps (a model with 4 outputs at
     num_steps=4), returned under another name: sliced per step, it would train silently wrong.
     The user says which. Returns one step's abstract output (evaluated here if not yet)."""
-    taken = {pos for pos, _ in matched.values()}
+    taken = set(given_back.values())
     left = [pos for pos in open_positions if pos not in taken]
     scanned = [
         p
         for p in params
-        if kinds.get(p, ("",))[0] == "scanned"
+        if kinds.get(p) == "scanned"
         and p not in options.per_step
         and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
     ]
@@ -98,7 +102,7 @@ def check_written_per_step(
     options: Options,
     returned_at: dict[str, int],
     mutable: frozenset[str],
-    args: tuple[Any, ...],
+    values: dict[str, Any],
     num_steps: int,
 ) -> None:
     """An argument the body writes into (`batch["x"] = ...`, `batch.update(...)`) is state,
@@ -108,8 +112,8 @@ def check_written_per_step(
     it is state whatever its shapes (an `nnx.Linear(4, 4)`, four layers scanned over, at
     num_steps=4), as nothing would feed a model per step."""
     written = (set(analysis.assigned) | mutable) - set(returned_at) - options.state
-    written -= options.static | options.broadcast | options.per_step | {options.instance}
-    for p, value in zip(analysis.param_names, args, strict=True):
+    written -= options.explicit
+    for p, value in values.items():
         if p not in written or is_mutable_module(value):
             continue
         leaves = jax.tree_util.tree_leaves(value)
@@ -124,9 +128,49 @@ def check_written_per_step(
             )
 
 
+def raw_key_at_two(value: Any, num_steps: int) -> bool:
+    """A raw `jax.random.PRNGKey` (uint32[2]) at num_steps=2: its leading axis of 2 may be
+    two steps' counts or one key, which sliced per step would give each step one uint32
+    (and JAX's key check would fail)."""
+    return (
+        num_steps == 2
+        and is_key(value)
+        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    )
+
+
+def leading_axis_error(analysis: Analysis, p: str, value: Any, num_steps: int) -> Exception:
+    """The error for an argument whose leading axes no rule settles (raised unless it is
+    matched as state): a raw PRNG key at num_steps=2 (`raw_key_at_two`), or array leaves
+    with and without a leading axis of num_steps (mixed)."""
+    if raw_key_at_two(value, num_steps):
+        return error(ShapeError, RAW_KEY_OR_PER_STEP, analysis, param=p)
+    paths = jax.tree_util.tree_flatten_with_path(value)[0]
+    bad = next(
+        (path, leaf)
+        for path, leaf in paths
+        if not (is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == num_steps)
+    )
+    return error(
+        ShapeError,
+        MIXED_ARGUMENT,
+        analysis,
+        param=p,
+        path=f"{p}{jax.tree_util.keystr(bad[0])}",
+        shape=_shape_of(bad[1]),
+        num_steps=num_steps,
+    )
+
+
+def _shape_of(x: Any) -> str:
+    if is_array(x):
+        return f"{jax.numpy.result_type(x)}{list(np.shape(x))}"
+    return f"non-array {type(x).__name__}"
+
+
 def raise_leading_axis_errors(
     analysis: Analysis,
-    kinds: dict[str, tuple[Role, str]],
+    kinds: dict[str, Role],
     deferred: dict[str, Exception],
     values: dict[str, Any],
     num_steps: int,
@@ -144,7 +188,7 @@ def raise_leading_axis_errors(
 
 def _short_first_chunk(
     analysis: Analysis,
-    kinds: dict[str, tuple[Role, str]],
+    kinds: dict[str, Role],
     values: dict[str, Any],
     num_steps: int,
     options: Options,
@@ -152,9 +196,9 @@ def _short_first_chunk(
     """A first call with no per-step argument, where an argument's array leaves all share a
     leading axis shorter than num_steps, is ambiguous: a short first chunk, or a batch reused
     for every step? The user says which."""
-    if options.per_step or any(role == "scanned" for role, _ in kinds.values()):
+    if options.per_step or any(role == "scanned" for role in kinds.values()):
         return None
-    for p, (role, _) in kinds.items():
+    for p, role in kinds.items():
         if role != "broadcast":
             continue
         arrays = [x for x in jax.tree_util.tree_leaves(values[p]) if is_array(x)]
@@ -177,7 +221,7 @@ def refuse_nested_state(
     analysis: Analysis,
     values: dict[str, Any],
     pending: list[str],
-    matched: dict[str, tuple[int, str]],
+    given_back: dict[str, int],
     positions: list[int],
     outputs: list[Any],
     num_steps: int,
@@ -185,10 +229,10 @@ def refuse_nested_state(
     """A container argument left broadcast whose value comes back nested inside an output
     (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
     value passed in, silently. Refused, with the fix."""
-    taken = {pos for pos, _ in matched.values()}
+    taken = set(given_back.values())
     for p in pending:
         value = values[p]
-        if p in matched or not jax.tree_util.tree_leaves(value):
+        if p in given_back or not jax.tree_util.tree_leaves(value):
             continue
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
             continue  # a bare array: a nested match says little

@@ -1,4 +1,4 @@
-"""Python numbers at a step's first call (`_infer`): which stay static and which are traced.
+"""Python numbers at a step's first call (`infer`): which stay static and which are traced.
 
 With `num_steps=1` Python numbers are traced, as `jax.jit` traces them, unless the step needs
 one concrete (`settle_scalars`). Python scalars inside state that a step changes become arrays
@@ -16,7 +16,8 @@ import jax
 from .._analysis.analysis import Return
 from .._handles.writeback import is_mutable_module
 from .abstract import SCALARS, eval_one_step, positions_of
-from .roles import Role, Roles
+from .options import Role
+from .roles import Roles
 
 # What tracing a value the step needs concrete raises (`nn.Dense(n)`, `range(n)`, `if n:`).
 _NEEDS_CONCRETE = (
@@ -32,15 +33,15 @@ def settle_scalars(
     params: tuple[str, ...],
     values: dict[str, Any],
     for_eval: dict[str, Role],
-    kinds: dict[str, tuple[Role, str]],
     scalars: list[str],
-) -> Any:
+) -> tuple[Any, dict[str, str]]:
     """With num_steps=1, Python scalars are traced, as `jax.jit` traces them (a step counter
     compiles once). One the step needs as a concrete value (a layer size, a Python branch)
     fails to trace: it is made static, as `static_argnames` or `eqx.filter_jit` would (each
-    value then compiles once). Returns one step's abstract output."""
+    value then compiles once; rule 8). Returns one step's abstract output, and the scalars
+    made static with the name of the error tracing them raised."""
     try:
-        return eval_one_step(fn, params, values, for_eval, 1)
+        return eval_one_step(fn, params, values, for_eval, 1), {}
     except _NEEDS_CONCRETE as e:
         failure: Exception = e
     trials = [[p] for p in scalars] + ([scalars] if len(scalars) > 1 else [])
@@ -52,12 +53,7 @@ def settle_scalars(
             continue
         for p in trial:
             for_eval[p] = "static"
-            kinds[p] = (
-                "static",
-                f"a Python {type(values[p]).__name__} the step needs as a concrete value "
-                f"(traced, it raised {type(failure).__name__}): static, as with static_argnames",
-            )
-        return out
+        return out, dict.fromkeys(trial, type(failure).__name__)
     raise failure
 
 

@@ -84,7 +84,7 @@ class Call:
     copies: list[int]  # state positions holding the caller's own buffers (copied if donated)
     landed: collections.deque[Any]  # the program's results, as they land (`_launch.launch`)
     donating: bool  # whether the launch donated the state leaves (set by `launch`)
-    xs_shared: bool  # a per-step input holds a handle donated as state (`_take_state`)
+    xs_shared: bool  # a per-step input holds a handle donated as state (`_keep_shared`)
 
     def __init__(self) -> None:
         self.landed = collections.deque(maxlen=1)
@@ -146,7 +146,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     if call.xs_shared:
         # A handle in a per-step input that is also the donated state goes in as a copy of
         # the tree it stands for: JAX would flatten the handle itself after `launch` claimed
-        # it. (The state's leaves are copies then: see `_take_state`.)
+        # it. (The state's leaves are copies then: see `_keep_shared`.)
         call.xs = jax.tree_util.tree_map(
             lambda h: _tree_of(h) if type(h) is LazyHandle else h, call.xs, is_leaf=_is_handle
         )
@@ -166,6 +166,10 @@ def _tree_of(h: LazyHandle) -> Any:
 def _take_state(
     step: Any, call: Call, to_array: tuple[tuple[int, ...], ...], firsts: list[Any]
 ) -> tuple[list[Structure], list[list[Any]], list[Placement | None], list[Layout | None]]:
+    """Per state argument, its structure, the buffers the program takes, their placement and
+    packing layout, from the first that applies: the Flax NNX cache, an unconsumed handle
+    (the fast path, inline here: O(1)), a flatten. Then what Flax NNX and donation need of
+    the call as a whole."""
     args, program = call.args, call.program
     stats = step._diag.stats
     structures: list[Structure] = []
@@ -173,86 +177,40 @@ def _take_state(
     placements: list[Placement | None] = []
     layouts: list[Layout | None] = []
     unpacked: dict[int, list[Any]] = {}  # the caller's own leaves, for Flax NNX write-back
-    copies = call.copies = []  # state positions holding the caller's own buffers
-    call.donated = []
+    call.copies = []  # state positions holding the caller's own buffers
+    donated: list[LazyHandle] = []
+    call.donated = donated
     last = step._last
     hit = call.nnx_hit = step._nnx.lookup(program, args) if step._nnx.cache else None
-    written_back = {k for k, _ in program.written_back_idx}
     for k, i in enumerate(program.state_idx):
         a = args[i]
-        pack = _transport.mode_for(step.pack, k in written_back)
         if hit is not None and k in hit.variables:
-            # The same Flax NNX object as last call, unchanged: no graph traversal, and its
-            # arrays are the ones we wrote, so they are donated without a copy.
-            arrays, placement = hit.arrays[k], hit.placements[k]
-            linked = hit.links is not None and hit.links[k] is not None
-            layout = None if linked else _transport.host_layout(arrays, placement, pack)
-            if layout is not None:
-                arrays = _transport.pack_on_device(layout, arrays)
-                stats.copies += 1
-            structures.append(hit.structures[k])
-            leaves.append(arrays)
-            placements.append(placement)
-            layouts.append(layout)
-            stats.fast_path += 1
-            continue
-        if last:
-            # lazy=False: the real object we returned last time stands for its handle.
-            pair = last.get(k)
-            if pair is not None and pair[0] is a and pair[1]._af_structure.immutable:
-                a = pair[1]
-        if (
-            type(a) is LazyHandle
-            and not a._af_consumed_by
-            and (a._af_obj is _UNBUILT or a._af_structure.immutable)
-        ):
-            structures.append(a._af_structure)
-            leaves.append(a._af_arrays)
-            placements.append(a._af_placement)
-            layouts.append(a._af_layout)
-            call.donated.append(a)
-            stats.fast_path += 1
-            if firsts[k] is None:
-                firsts[k] = a._af_structure
-            continue
-        if type(a) is LazyHandle:
-            a = LazyHandle._af_get(a)
-        if to_array[k]:
-            structure, arrays = _with_arrays(a, to_array[k], firsts[k])
-            stats.flattens += 1
+            taken = _take_nnx_hit(step, call, hit, k)
         else:
-            structure, arrays = flatten(a)
-            if is_array(a) or not arrays:
-                # State that is one array, or has none, comes back as it is (not a handle):
-                # passing it back is the fast path though it is not a handle (no tree).
+            if last:
+                # lazy=False: the real object we returned last time stands for its handle.
+                pair = last.get(k)
+                if pair is not None and pair[0] is a and pair[1]._af_structure.immutable:
+                    a = pair[1]
+            if (
+                type(a) is LazyHandle
+                and not a._af_consumed_by
+                and (a._af_obj is _UNBUILT or a._af_structure.immutable)
+            ):
+                structures.append(a._af_structure)
+                leaves.append(a._af_arrays)
+                placements.append(a._af_placement)
+                layouts.append(a._af_layout)
+                donated.append(a)
                 stats.fast_path += 1
-            else:
-                stats.flattens += 1
-        first = firsts[k]
-        if first is None:
-            firsts[k] = structure
-        elif structure is not first:
-            late = _late_scalars(first, structure)
-            if late:  # (only for a value of the first call's tree)
-                structure, arrays = _with_arrays(a, tuple(sorted({*to_array[k], *late})))
-        placement = placement_of(arrays)
-        unpacked[k] = arrays
-        # One array is one buffer already, and comes back as itself: never packed.
-        layout = None if is_array(a) else _transport.host_layout(arrays, placement, pack)
-        if layout is not None:
-            # Packing makes fresh buffers: they may be donated without a copy.
-            arrays = _transport.pack_on_device(layout, arrays)
-            stats.copies += 1
-        elif step.donate and arrays and not _writeback.all_ours(arrays, a):
-            copies.append(k)  # once the spec says whether the launch donates
-        elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
-            # Not copied, but a weakly typed leaf would still compile the step twice (its
-            # output comes back strongly typed): only those leaves are converted.
-            arrays = [copy_leaves([x])[0] if getattr(x, "weak_type", False) else x for x in arrays]
-        structures.append(structure)
-        leaves.append(arrays)
-        placements.append(placement)
-        layouts.append(layout)
+                if firsts[k] is None:
+                    firsts[k] = a._af_structure
+                continue
+            taken = _take_flattened(step, call, k, a, to_array[k], firsts, unpacked)
+        structures.append(taken[0])
+        leaves.append(taken[1])
+        placements.append(taken[2])
+        layouts.append(taken[3])
     if hit is not None:
         call.nnx_vars, call.links = hit.variables, hit.links
     elif step._may_mutate:
@@ -262,36 +220,124 @@ def _take_state(
         call.nnx_vars, call.links = {}, None
     if call.links is not None:
         _share(step, call, leaves, layouts, unpacked)
-    donated = call.donated
     if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
-        # The same handle twice: donating its buffers twice would fail. Copy the repeats.
-        seen: set[int] = set()
-        for k, i in enumerate(program.state_idx):
-            a = args[i]
-            if type(a) is LazyHandle and id(a) in seen:
-                leaves[k] = copy_leaves(leaves[k])
-            seen.add(id(a))
+        _copy_repeats(call, leaves)
     if donated and step.donate:
-        # A handle given as state and also as another argument (broadcast, per-step): its
-        # buffers would be donated and read in one call. The state's copy is donated.
-        # (A per-step array, the usual batch, holds no handle: not searched.)
-        in_xs = {
-            id(x)
-            for i in program.scanned_idx
-            if not is_array(args[i])
-            for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
-            if type(x) is LazyHandle
-        }
-        others = in_xs.union(id(args[i]) for i in program.bcast_idx)
-        call.xs_shared = not in_xs.isdisjoint(map(id, donated))
-        if others.intersection(map(id, donated)):
-            for k, i in enumerate(program.state_idx):
-                if type(args[i]) is LazyHandle and id(args[i]) in others:
-                    leaves[k] = copy_leaves(leaves[k])
-            # Its own buffers are not donated then: the handle stays valid after the call,
-            # as under jax.jit (`target = online` kept for a target network).
-            call.donated = [h for h in donated if id(h) not in others]
+        _keep_shared(call, leaves)
     return structures, leaves, placements, layouts
+
+
+# What `_take_state` takes of one state argument: structure, buffers, placement, layout.
+_Taken = tuple[Structure, list[Any], Placement | None, Layout | None]
+
+
+def _pack_mode(step: Any, call: Call, k: int) -> _transport.PackMode:
+    """How state argument `k` travels (`_transport.mode_for`)."""
+    written_back = any(j == k for j, _ in call.program.written_back_idx)
+    return _transport.mode_for(step.pack, written_back)
+
+
+def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
+    """State argument `k`, the same Flax NNX object as last call, unchanged: no graph
+    traversal, and its arrays are the ones we wrote, so they are donated without a copy."""
+    arrays, placement = hit.arrays[k], hit.placements[k]
+    linked = hit.links is not None and hit.links[k] is not None
+    layout = (
+        None if linked else _transport.host_layout(arrays, placement, _pack_mode(step, call, k))
+    )
+    if layout is not None:
+        arrays = _transport.pack_on_device(layout, arrays)
+        step._diag.stats.copies += 1
+    step._diag.stats.fast_path += 1
+    return hit.structures[k], arrays, placement, layout
+
+
+def _take_flattened(
+    step: Any,
+    call: Call,
+    k: int,
+    a: Any,
+    to_array: tuple[int, ...],
+    firsts: list[Any],
+    unpacked: dict[int, list[Any]],
+) -> _Taken:
+    """State argument `k` (`a`), anything but an unconsumed handle: flattened once, its
+    structure interned, then packed, or (with donation on) marked to be copied unless
+    autoflat wrote those very buffers into it (`_writeback.all_ours`)."""
+    stats = step._diag.stats
+    if type(a) is LazyHandle:
+        a = LazyHandle._af_get(a)
+    if to_array:
+        structure, arrays = _with_arrays(a, to_array, firsts[k])
+        stats.flattens += 1
+    else:
+        structure, arrays = flatten(a)
+        if is_array(a) or not arrays:
+            # State that is one array, or has none, comes back as it is (not a handle):
+            # passing it back is the fast path though it is not a handle (no tree).
+            stats.fast_path += 1
+        else:
+            stats.flattens += 1
+    first = firsts[k]
+    if first is None:
+        firsts[k] = structure
+    elif structure is not first:
+        late = _late_scalars(first, structure)
+        if late:  # (only for a value of the first call's tree)
+            structure, arrays = _with_arrays(a, tuple(sorted({*to_array, *late})))
+    placement = placement_of(arrays)
+    unpacked[k] = arrays
+    # One array is one buffer already, and comes back as itself: never packed.
+    layout = (
+        None
+        if is_array(a)
+        else _transport.host_layout(arrays, placement, _pack_mode(step, call, k))
+    )
+    if layout is not None:
+        # Packing makes fresh buffers: they may be donated without a copy.
+        arrays = _transport.pack_on_device(layout, arrays)
+        stats.copies += 1
+    elif step.donate and arrays and not _writeback.all_ours(arrays, a):
+        call.copies.append(k)  # once the spec says whether the launch donates
+    elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
+        # Not copied, but a weakly typed leaf would still compile the step twice (its
+        # output comes back strongly typed): only those leaves are converted.
+        arrays = [copy_leaves([x])[0] if getattr(x, "weak_type", False) else x for x in arrays]
+    return structure, arrays, placement, layout
+
+
+def _copy_repeats(call: Call, leaves: list[list[Any]]) -> None:
+    """The same handle as two state arguments: donating its buffers twice would fail, so the
+    repeats take copies."""
+    seen: set[int] = set()
+    for k, i in enumerate(call.program.state_idx):
+        a = call.args[i]
+        if type(a) is LazyHandle and id(a) in seen:
+            leaves[k] = copy_leaves(leaves[k])
+        seen.add(id(a))
+
+
+def _keep_shared(call: Call, leaves: list[list[Any]]) -> None:
+    """A handle given as state and also as another argument (broadcast, per-step) would have
+    its buffers donated and read in one call: the state takes a copy, which is donated, and
+    the handle's own buffers are not (it stays valid after the call, as under `jax.jit`:
+    `target = online` kept for a target network). (A per-step array, the usual batch, holds
+    no handle: not searched.)"""
+    args, program, donated = call.args, call.program, call.donated
+    in_xs = {
+        id(x)
+        for i in program.scanned_idx
+        if not is_array(args[i])
+        for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
+        if type(x) is LazyHandle
+    }
+    others = in_xs.union(id(args[i]) for i in program.bcast_idx)
+    call.xs_shared = not in_xs.isdisjoint(map(id, donated))
+    if others.intersection(map(id, donated)):
+        for k, i in enumerate(program.state_idx):
+            if type(args[i]) is LazyHandle and id(args[i]) in others:
+                leaves[k] = copy_leaves(leaves[k])
+        call.donated = [h for h in donated if id(h) not in others]
 
 
 def _share(

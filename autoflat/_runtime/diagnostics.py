@@ -1,10 +1,11 @@
 """What a decorated step tells about itself: its counters and the recompile warning.
 
-`Stats` counts calls, fast-path hits, host flattens, copies, traces and rebuilds (the user
-reads a snapshot with `autoflat.stats(fn)`). `Diagnostics` holds one step's `Stats` and notes
-every trace: what changed since the previous one, and, once a step has been traced
-`RECOMPILE_WARN_AFTER` times, the `AutoflatRecompileWarning` that the step's next call issues
-before it takes anything.
+`Stats` counts calls, fast-path hits, host flattens, copies, traces, rebuilds and the
+operations on packed leaves run leaf by leaf (the user reads a snapshot with
+`autoflat.stats(fn)`). `Diagnostics` holds one step's `Stats` and notes every trace: what
+changed since the previous one, and, once a step has been traced `RECOMPILE_WARN_AFTER`
+times, the `AutoflatRecompileWarning` that the step's next call issues before it takes
+anything.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 import jax
 
+from .. import _jax
+
 RECOMPILE_WARN_AFTER = 8
+CHANGES_KEPT = 16  # causes of recompiles kept per step (`autoflat.profile` reports them)
 
 
 class AutoflatRecompileWarning(UserWarning):
@@ -39,6 +43,9 @@ class Stats:
     - `traces`: traces of the generated function for a call or `lower` (each is followed by
       an XLA compile).
     - `rebuilds`: lazy handles from this step rebuilt into real objects.
+    - `leaf_by_leaf`: operations on packed leaves that the step's whole-buffer evaluation
+      does not run on the packed buffer (not elementwise: a matmul, a sort), so it cuts their
+      leaves out and runs them leaf by leaf; counted at each trace (0 when nothing is packed).
     """
 
     calls: int = 0
@@ -47,6 +54,7 @@ class Stats:
     copies: int = 0
     traces: int = 0
     rebuilds: int = 0
+    leaf_by_leaf: int = 0
 
     def snapshot(self) -> Stats:
         return dataclasses.replace(self)
@@ -59,25 +67,27 @@ class Stats:
 class Diagnostics:
     """One step's counters and its record of traces (see the module doc)."""
 
-    __slots__ = ("stats", "qualname", "where", "_last_key", "_warned", "_pending")
+    __slots__ = ("stats", "qualname", "where", "changes", "_last_key", "_warned", "_pending")
 
     def __init__(self, qualname: str, where: str) -> None:
         self.stats = Stats()
         self.qualname = qualname
         self.where = where
+        self.changes: list[str] = []  # why each trace after the first happened, the last few
         self._last_key: Any = None
         self._warned = False
         self._pending: str | None = None
 
-    def note_trace(self, spec: Any, inputs: Any) -> None:
-        """Called while tracing `spec` with `inputs` (the leaves the compiled program takes)."""
+    def note_trace(self, spec: Any, inputs: Any) -> Stats:
+        """Called while tracing `spec` with `inputs` (the leaves the compiled program takes);
+        gives the counters that the trace adds to."""
         self.stats.traces += 1
-        shapes = jax.tree_util.tree_map(
-            lambda t: (t.shape, t.dtype, getattr(getattr(t, "aval", None), "weak_type", None)),
-            inputs,
-        )
+        shapes = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype, _jax.weak_type(t)), inputs)
         key = (spec, shapes)
         change = describe_change(self._last_key, key) if self._last_key is not None else ""
+        if change:
+            self.changes[: -CHANGES_KEPT + 1] = []
+            self.changes.append(change)
         self._last_key = key
         if self.stats.traces >= RECOMPILE_WARN_AFTER and not self._warned:
             self._warned = True
@@ -90,6 +100,7 @@ class Diagnostics:
                 "Keep structures, static arguments and input shapes fixed between calls (pad "
                 "the final batch, keep counters as arrays), or this step recompiles often."
             )
+        return self.stats
 
     def warn_if_pending(self, stacklevel: int) -> None:
         if self._pending is not None:

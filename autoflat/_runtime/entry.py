@@ -18,17 +18,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import _jax
 from .._handles.nnx import Link
 from .._transport import layout as _transport
 from .._transport import segments as _segments
 from .._transport import wholes as _wholes
 from .._transport.structure import FlatState, pinned, strongly_typed
+from .diagnostics import Stats
 from .program import CallSpec
 from .tracing import linking
 
 
 def entry(
-    note_trace: Callable[[CallSpec, Any], None] | None,
+    note_trace: Callable[[CallSpec, Any], Stats] | None,
     spec: CallSpec,
     state_leaves: tuple[list[Any], ...],
     xs: tuple[Any, ...],
@@ -40,11 +42,13 @@ def entry(
     """The traced function: leaves in, leaves and stacked outputs out (see the module doc):
     `(state, outputs)`, or with `as_list` as `flat_result` gives it.
 
-    `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static."""
-    if note_trace is not None:
-        note_trace(spec, (state_leaves, xs, bcast_leaves))
+    `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static;
+    `note_trace` is told of each trace and gives the counters it adds to."""
+    stats = None if note_trace is None else note_trace(spec, (state_leaves, xs, bcast_leaves))
     if repack and _segmented(spec):
-        leaving, outputs = _segments_entry(spec, state_leaves, xs, bcast_leaves)
+        leaving, outputs, leaf_by_leaf = _segments_entry(spec, state_leaves, xs, bcast_leaves)
+        if stats is not None:
+            stats.leaf_by_leaf += leaf_by_leaf
     else:
         unpacked = tuple(
             a if layout is None else _transport.unpack(layout, a)
@@ -91,9 +95,10 @@ def _segments_entry(
     state_leaves: tuple[list[Any], ...],
     xs: tuple[Any, ...],
     bcast_leaves: tuple[list[Any], ...],
-) -> tuple[tuple[FlatState, ...], Any]:
+) -> tuple[tuple[FlatState, ...], Any, int]:
     """`_body` traced to a jaxpr on the unpacked leaves, then evaluated with the packed
-    leaves as views (`_segments`) and the state packed again from them."""
+    leaves as views (`_segments`) and the state packed again from them; with the number of
+    equations on views that ran leaf by leaf."""
     args = tuple(
         a if layout is None else _wholes.views(layout, a)
         for a, layout in zip(state_leaves, spec.layouts, strict=True)
@@ -112,8 +117,9 @@ def _segments_entry(
 
     closed = jax.make_jaxpr(traced)(avals, xs, bcast_leaves)
     leaving, out_tree = meta[0]
-    values = _segments.Interpreter().eval(
-        closed.jaxpr, closed.consts, jax.tree_util.tree_leaves((args, xs, bcast_leaves))
+    interpreter = _segments.Interpreter()
+    values = interpreter.eval(
+        *_jax.opened(closed), jax.tree_util.tree_leaves((args, xs, bcast_leaves))
     )
     packed = []
     k = 0
@@ -126,7 +132,7 @@ def _segments_entry(
         else:
             packed.append(FlatState(flat.structure, _wholes.pack(layout, arrays), layout))
     outputs = out_tree.unflatten([_wholes.leaf(x) for x in values[k:]])
-    return tuple(packed), outputs
+    return tuple(packed), outputs, interpreter.leaf_by_leaf
 
 
 def flat_result(spec: CallSpec, leaving: tuple[FlatState, ...], outputs: Any) -> Any:
@@ -234,19 +240,10 @@ _CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callb
 
 def calls_back(jaxpr: Any) -> bool:
     """Whether a (closed) jaxpr, or any jaxpr inside it, calls back to the host."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _CALLBACKS:
-            return True
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and calls_back(inner):
-                    return True
-    return False
+    return any(name in _CALLBACKS for name in _jax.primitive_names(jaxpr))
 
 
-def jitted(note_trace: Callable[[CallSpec, Any], None], donate: Any) -> tuple[Any, Any]:
+def jitted(note_trace: Callable[[CallSpec, Any], Stats], donate: Any) -> tuple[Any, Any]:
     """A step's `jax.jit`s of `entry`, spec static: the one it runs (state leaves donated if
     `donate`) and, with `donate` on, one that does not donate, for programs that must keep
     their inputs (`_launch.runner`). Both wrap the same function, so JAX traces a spec once for

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _caches
+from .. import _caches, _jax
 from .structure import computed_dtype, strongly_typed
 
 PackMode = Literal[False, True, "auto"]
@@ -343,7 +343,7 @@ def _host_device(layout: Layout, arrays: Sequence[Any], kind: int) -> tuple[Any,
         return None
     device, committed = None, False
     for a in arrays:
-        if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        if not isinstance(a, jax.Array) or _jax.is_tracer(a):
             return None
         if not _packable_dtype(a.dtype):  # PRNG keys: no NumPy copy
             return None

@@ -17,8 +17,12 @@ buffer of the same segments. Nothing is computed until it is needed:
 - a packed output whose leaves are runs of one whole computation is that computation's buffer
   (or a slice of it), computed once for all of them;
 - a `num_steps` scan whose carry holds every leaf of a packed buffer carries the buffer
-  instead, and its body is evaluated with views of it the same way (`_scan`; on JAX 0.10,
-  whose scan this reads; other scans cut their carry out leaf by leaf).
+  instead, and its body is evaluated with views of it the same way (`_scan`; on JAX 0.4 and
+  0.10, whose scan this reads; other scans cut their carry out leaf by leaf).
+
+The equations on views that run leaf by leaf are counted (`Interpreter.leaf_by_leaf`, at each
+trace; `autoflat.stats(step).leaf_by_leaf`), so a step that loses the whole-buffer evaluation
+shows it. Jaxprs are read through `autoflat._jax`.
 
 Elementwise means that element i of the result depends on element i of each operand only,
 with no parameter naming a shape or a position (`_ELEMENTWISE`); then computing a segment
@@ -30,14 +34,13 @@ Everything else runs as traced.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from .. import _jax
 from .wholes import Buffer, Gathered, Op, View, Whole, leaf, pack_group
 
 # Primitives whose result element i depends only on element i of each operand (or on scalar
@@ -71,7 +74,7 @@ class _Same:
 
 
 def _scalar_key(x: Any) -> Any:
-    if isinstance(x, jax.core.Tracer):
+    if _jax.is_tracer(x):
         return _Same(x)
     a = np.asarray(x)
     return (a.dtype.str, a.tobytes())
@@ -86,61 +89,51 @@ class Interpreter:
         # (whole, other whole, shift) -> per segment of the first, where its aligned run starts
         # and ends
         self.runs: dict[Any, tuple[list[int], list[int]]] = {}
+        # equations on views computed leaf by leaf, their operands cut out (`Stats`)
+        self.leaf_by_leaf = 0
 
-    def eval(self, jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        """The outputs of an open jaxpr on `consts` and `args`, which may be views."""
         env: dict[Any, Any] = {}
-
-        def read(v: Any) -> Any:
-            return v.val if isinstance(v, Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
+        for v, x in zip(_jax.const_inputs(jaxpr), consts, strict=True):
             env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
+        for v, x in zip(_jax.inputs(jaxpr), args, strict=True):
             env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+        for eqn in _jax.equations(jaxpr):
+            invals = [_jax.value_of(env, v) for v in _jax.inputs(eqn)]
             outs = None
             if any(type(x) is View for x in invals):
-                if eqn.primitive.name in _ELEMENTWISE:
-                    out = self._elementwise(eqn, invals)
-                    outs = None if out is None else [out]
-                elif _inlinable(eqn):
-                    inner = eqn.params["jaxpr"]
-                    if isinstance(inner, ClosedJaxpr):
-                        outs = self.eval(inner.jaxpr, inner.consts, invals)
-                    else:
-                        outs = self.eval(inner, (), invals)
-                elif eqn.primitive.name == "scan":
-                    outs = _scan(eqn, invals)
+                outs = self._with_views(eqn, invals)
+                if outs is None:
+                    self.leaf_by_leaf += 1
             if outs is None:
-                invals = [x.leaf() if type(x) is View else x for x in invals]
-                bound = eqn.primitive.get_bind_params(eqn.params)
-                # (JAX 0.4 gives (subfunctions, params), later JAX the params alone)
-                subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*subfuns, *invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
-            for v, x in zip(eqn.outvars, outs, strict=True):
+                outs = _jax.bind(eqn, [x.leaf() if type(x) is View else x for x in invals])
+            for v, x in zip(_jax.outputs(eqn), outs, strict=True):
                 env[v] = x
         # (a literal result, such as a constant flag kept in the state, as the array it is)
         return [
-            jax.numpy.asarray(v.val, v.aval.dtype)  # type: ignore[attr-defined]
-            if isinstance(v, Literal)
-            else env[v]
-            for v in jaxpr.outvars
+            _jax.literal_array(v) if _jax.is_literal(v) else env[v] for v in _jax.outputs(jaxpr)
         ]
 
+    def _with_views(self, eqn: Any, invals: list[Any]) -> list[Any] | None:
+        """An equation's outputs computed on whole buffers (an elementwise operation, a nested
+        `jax.jit` evaluated in place, a `num_steps` scan), or None: it runs leaf by leaf."""
+        if _jax.name(eqn) in _ELEMENTWISE:
+            out = self._elementwise(eqn, invals)
+            return None if out is None else [out]
+        inner = _jax.inlined(eqn)
+        if inner is not None:
+            return self.eval(*inner, invals)
+        if _jax.name(eqn) == "scan":
+            return _scan(self, eqn, invals)
+        return None
+
     def _elementwise(self, eqn: Any, invals: list[Any]) -> View | None:
-        shape = tuple(eqn.outvars[0].aval.shape)
+        shape = tuple(_jax.out_aval(eqn).shape)
         if not shape:
             return None  # a scalar leaf: a scalar operand could be its own or shared
-        try:
-            params = tuple(sorted(eqn.params.items()))
-            hash(params)
-        except TypeError:
-            return None
-        if eqn.params.get("sharding") is not None:
+        params = _jax.elementwise_key(eqn)
+        if params is None:
             return None
         base = next(x for x in invals if type(x) is View)
         t = base.t
@@ -156,7 +149,7 @@ class Interpreter:
                 keys.append("leaf")
             else:
                 return None
-        key = (eqn.primitive, params, tuple(keys))
+        key = (_jax.primitive(eqn), params, tuple(keys))
         for op, gathered in self.memo.get(key, ()):
             if op.lo <= t < op.hi and all(t not in g.parts for g in gathered):
                 break
@@ -191,8 +184,8 @@ class Interpreter:
                 operands.append(g)
             else:
                 operands.append(x)
-        dtype = eqn.outvars[0].aval.dtype
-        return Op(eqn.primitive, dict(params), operands, w, lo, hi, dtype), gathered
+        dtype = _jax.out_aval(eqn).dtype
+        return Op(_jax.primitive(eqn), dict(params), operands, w, lo, hi, dtype), gathered
 
     def _aligned(self, w: Whole, other: Whole, shift: int) -> tuple[list[int], list[int]]:
         """Per segment t of w: the run of segments around it where segment t + shift of
@@ -219,37 +212,19 @@ class Interpreter:
         return self.runs[key]
 
 
-def _inlinable(eqn: Any) -> bool:
-    """A nested `jax.jit` with nothing but its function: evaluated in place."""
-    if eqn.primitive.name not in ("jit", "pjit") or eqn.effects:
-        return False
-    params = eqn.params
-    jaxpr = params.get("jaxpr")
-    closed = isinstance(jaxpr, ClosedJaxpr) or (isinstance(jaxpr, Jaxpr) and not jaxpr.constvars)
-    if not closed or params.get("compiler_options_kvs"):
-        return False
-    shardings = tuple(params.get("in_shardings", ())) + tuple(params.get("out_shardings", ()))
-    return all(type(s).__name__ == "UnspecifiedValue" for s in shardings)
-
-
-_SCAN_PARAMS = {"num_consts", "num_carry", "jaxpr", "length", "reverse", "unroll"}
-
-
-@functools.cache
 def scans_with_views() -> bool:
     """Whether this JAX's scan is one `_scan` runs with views (JAX 0.10's, not 0.12's)."""
-    jaxpr = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c, c), c, length=1))(0.0)
-    return _SCAN_PARAMS <= jaxpr.eqns[0].params.keys()
+    return _jax.scans_readable()
 
 
-def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
+def _scan(outer: Interpreter, eqn: Any, invals: list[Any]) -> list[Any] | None:
     """A `lax.scan` (the `num_steps` loop) whose carry holds every leaf of packed buffers:
-    run again carrying those buffers, its body evaluated with views of them; None if it
-    carries no whole buffer."""
-    p = eqn.params
-    if not _SCAN_PARAMS <= p.keys() or not isinstance(p["jaxpr"], ClosedJaxpr):
+    run again carrying those buffers, its body evaluated with views of them (what it runs
+    leaf by leaf counted in `outer`); None if it carries no whole buffer."""
+    p = _jax.scan_params(eqn)
+    if p is None:
         return None  # JAX 0.12's scan describes its operands otherwise: it runs as traced
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = p.num_consts, p.num_carry
     init = invals[nc : nc + nk]
     found: dict[Buffer, dict[int, int]] = {}
     for pos, x in enumerate(init):
@@ -261,7 +236,8 @@ def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
     place = {found[w][t]: (i, t) for i, w in enumerate(buffers) for t in range(len(w.shapes))}
     rest = [pos for pos in range(nk) if pos not in place]
     consts = [leaf(x) for x in invals[:nc]]
-    body = p["jaxpr"]
+    body, body_consts = _jax.opened(p.body)
+    counts: list[int] = []  # equations run leaf by leaf, per trace of the body
 
     def carried(bufs: list[Any], others: list[Any]) -> list[Any]:
         wholes = [Buffer(w.group, b) for w, b in zip(buffers, bufs, strict=True)]
@@ -274,7 +250,9 @@ def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
 
     def step(carry: Any, x: Any) -> Any:
         values = carried(*carry)
-        outs = Interpreter().eval(body.jaxpr, body.consts, [*consts, *values, *x])
+        inner = Interpreter()
+        outs = inner.eval(body, body_consts, [*consts, *values, *x])
+        counts.append(inner.leaf_by_leaf)
         new = outs[:nk]
         bufs = [
             pack_group(w.group, [new[found[w][t]] for t in range(len(w.shapes))]) for w in buffers
@@ -286,8 +264,9 @@ def _scan(eqn: Any, invals: list[Any]) -> list[Any] | None:
         step,
         init_carry,
         [leaf(x) for x in invals[nc + nk :]],
-        length=p["length"],
-        reverse=p["reverse"],
-        unroll=p["unroll"],
+        length=p.length,
+        reverse=p.reverse,
+        unroll=p.unroll,
     )
+    outer.leaf_by_leaf += counts[-1]
     return [*carried(bufs, others), *ys]

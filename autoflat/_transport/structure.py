@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _caches
+from .. import _caches, _jax
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
@@ -192,20 +192,17 @@ def strongly_typed(x: Any) -> Any:
     """`x` without its weak type (same dtype and values): a step's state outputs and the
     buffers packed for it are strongly typed, so that a weakly typed leaf
     (`jnp.array(0)`, `jnp.full((3,), 1.0)`) does not compile the step a second time."""
-    weak = getattr(getattr(x, "aval", None), "weak_type", False)
-    return jax.lax.convert_element_type(x, x.dtype) if weak else x
+    return jax.lax.convert_element_type(x, x.dtype) if _jax.weak_type(x) else x
 
 
 def is_explicit(sharding: Any) -> bool:
     """Whether `sharding` is on a mesh with explicit axes (JAX's sharding in types): the
     sharding is part of the array's type, `with_sharding_constraint` only asserts it, and
     `jax.sharding.reshard` moves an array to it."""
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    explicit = _jax.EXPLICIT_AXIS
     if explicit is None or not isinstance(sharding, jax.sharding.NamedSharding):
         return False
-    types = dict(
-        zip(sharding.mesh.axis_names, getattr(sharding.mesh, "axis_types", ()), strict=False)
-    )
+    types = _jax.axis_types(sharding.mesh)
     if explicit not in types.values():
         return False
     # On a mesh mixing explicit and automatic axes, a spec naming an automatic axis is not

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import _jax
 from . import layout as _transport
 from .structure import strongly_typed
 
@@ -177,7 +178,7 @@ class Op(Whole):
             x[0].leaf(t + x[1]) if type(x) is tuple else x.leaf(t) if isinstance(x, Whole) else x
             for x in self.operands
         ]
-        return self.prim.bind(*args, **self.params)
+        return _jax.apply(self.prim, args, self.params)
 
     def _whole(self) -> Any:
         args = []
@@ -191,7 +192,7 @@ class Op(Whole):
                 args.append(x.whole())
             else:
                 args.append(x)
-        return self.prim.bind(*args, **self.params)
+        return _jax.apply(self.prim, args, self.params)
 
 
 class View:

@@ -1,0 +1,298 @@
+"""JAX internals in one place: every private or version-dependent piece of JAX autoflat uses.
+
+The rest of the package reaches JAX's jaxprs, tracers, weak types and version differences
+through the functions here only (tests/test_architecture.py checks it), and tests/test_jax.py
+tests each of them on the installed JAX, so a release that changes one fails there, not as
+a silent difference in a user's step.
+
+What this module relies on:
+
+- `jax._src.traceback_util.register_exclusion` (`hide_frames`): JAX leaves registered
+  paths out of the tracebacks it shows. Skipped where it is missing.
+- `jax.extend.core.ClosedJaxpr`, `Jaxpr`, `Literal`; `jax.core.Tracer` (`is_tracer`).
+- A jaxpr's `eqns`, `invars`, `outvars`, `constvars`, a closed jaxpr's `jaxpr` and
+  `consts`; an equation's `primitive`, `params`, `invars`, `outvars`, `effects` and
+  `ctx.manager`; a literal's `val` and `aval` (`equations`, `inputs`, `outputs`,
+  `const_inputs`, `opened`, `value_of`, `literal_array`).
+- `Primitive.get_bind_params` (`bind`): on JAX 0.4 it gives `(subfunctions, params)`, on
+  later JAX the params alone. `Primitive.bind` with an equation's own params for elementwise
+  primitives (`apply`), and `Primitive.multiple_results`.
+- Parameter names: the jaxprs that call primitives hold (`jaxpr` of `jit`/`pjit` and
+  `closed_call`, `call_jaxpr` of `custom_jvp_call`/`custom_vjp_call`, `fun_jaxpr`;
+  `called_jaxpr`, `jaxprs_in`); a `jit`'s `in_shardings`/`out_shardings` (instances of a
+  class named `UnspecifiedValue` when not given) and `compiler_options_kvs` (`inlined`); an
+  elementwise primitive's `sharding` (`elementwise_key`); a scan's `num_consts`,
+  `num_carry`, `jaxpr`, `length`, `reverse`, `unroll` (`scan_params`: JAX 0.4 and 0.10 have
+  them, JAX 0.12 describes its operands otherwise and its scans run as traced).
+- An abstract value's `weak_type` (`weak_type`).
+- `jax.sharding.AxisType.Explicit` and `Mesh.axis_types` (`EXPLICIT_AXIS`, `axis_types`:
+  JAX's sharding in types; absent on JAX 0.4).
+- A `jax.jit` function's type name `PjitFunction` and its `_jit_info` (`is_jax_jit`,
+  `jit_info`: JAX 0.5 and later expose it), and `PartitionSpec`'s `unreduced` and
+  `reduced` (`spec_extras`: newer JAX only).
+
+Tested on JAX 0.4.35 (tests/test_jax.py in the environment of the `pax` nox session), JAX
+0.10.x (Python 3.11: `nox -s tests`) and JAX 0.12.x (Python 3.12: `nox -s tests`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+_Tracer = jax.core.Tracer
+
+
+# -- tracebacks -------------------------------------------------------------------------------
+
+
+def hide_frames(path: str) -> bool:
+    """Leave the frames of files under `path` out of the tracebacks JAX shows; False on a
+    JAX without `traceback_util`."""
+    try:
+        from jax._src import traceback_util
+    except ImportError:  # pragma: no cover - a JAX without it
+        return False
+    traceback_util.register_exclusion(path)
+    return True
+
+
+# -- values -----------------------------------------------------------------------------------
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether `x` is a traced value (inside `jax.jit`, `make_jaxpr`, `eval_shape`, ...)."""
+    return isinstance(x, _Tracer)
+
+
+def weak_type(x: Any) -> bool | None:
+    """Whether an array (or tracer) is weakly typed (`jnp.asarray(1.0)`, a Python number
+    traced), None for a value without an abstract value (a NumPy array)."""
+    aval = getattr(x, "aval", None)
+    return None if aval is None else getattr(aval, "weak_type", None)
+
+
+# -- jaxprs and their equations ---------------------------------------------------------------
+
+
+def _open(jaxpr: Any) -> Any:
+    """The open jaxpr of a closed one, or the jaxpr itself."""
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def opened(closed: Any) -> tuple[Any, Sequence[Any]]:
+    """(open jaxpr, consts) of a closed jaxpr; an open one has no consts."""
+    if isinstance(closed, ClosedJaxpr):
+        return closed.jaxpr, closed.consts
+    return closed, ()
+
+
+def equations(jaxpr: Any) -> Sequence[Any]:
+    """The equations of a jaxpr (open or closed), in order."""
+    return _open(jaxpr).eqns  # type: ignore[no-any-return]
+
+
+def inputs(x: Any) -> Sequence[Any]:
+    """The input variables of an open jaxpr or an equation (an equation's literals too)."""
+    return x.invars  # type: ignore[no-any-return]
+
+
+def outputs(x: Any) -> Sequence[Any]:
+    """The output variables of an open jaxpr or an equation (a jaxpr's literals too)."""
+    return x.outvars  # type: ignore[no-any-return]
+
+
+def const_inputs(jaxpr: Any) -> Sequence[Any]:
+    """The variables of an open jaxpr's constants."""
+    return jaxpr.constvars  # type: ignore[no-any-return]
+
+
+def primitive(eqn: Any) -> Any:
+    """An equation's primitive."""
+    return eqn.primitive
+
+
+def name(eqn: Any) -> str:
+    """An equation's primitive's name (`add`, `pjit`, `scan`)."""
+    return eqn.primitive.name  # type: ignore[no-any-return]
+
+
+def params(eqn: Any) -> dict[str, Any]:
+    """An equation's parameters, by name."""
+    return eqn.params  # type: ignore[no-any-return]
+
+
+def out_aval(eqn: Any) -> Any:
+    """The abstract value (shape, dtype) of an equation's first output."""
+    return eqn.outvars[0].aval
+
+
+def is_literal(v: Any) -> bool:
+    """Whether an equation's operand (or a jaxpr's output) is a literal, not a variable."""
+    return isinstance(v, Literal)
+
+
+def value_of(env: dict[Any, Any], v: Any) -> Any:
+    """An operand's value: a literal's own, a variable's from `env`."""
+    return v.val if isinstance(v, Literal) else env[v]
+
+
+def literal_array(v: Any) -> Any:
+    """A literal as the array it stands for (its value in its abstract value's dtype)."""
+    return jax.numpy.asarray(v.val, v.aval.dtype)
+
+
+def jaxprs_in(value: Any) -> list[Any]:
+    """The (open) jaxprs an equation's parameter holds: one, or a tuple of them (a `cond`'s
+    branches); none for any other value."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    found = []
+    for x in items:
+        if isinstance(x, (ClosedJaxpr, Jaxpr)):
+            inner = getattr(x, "jaxpr", None)  # a closed jaxpr's, where it is a type of its own
+            found.append(inner if hasattr(inner, "eqns") else x)
+    return found
+
+
+def holds_jaxprs(eqn: Any) -> bool:
+    """Whether any parameter of an equation holds a jaxpr (a call, a scan, a cond, ...)."""
+    return any(jaxprs_in(value) for value in eqn.params.values())
+
+
+def called_jaxpr(eqn: Any) -> Any:
+    """The (open) jaxpr an equation calls with its own inputs and outputs (`pjit`,
+    `closed_call`, `custom_jvp_call`, `custom_vjp_call`, `remat`; a scan's body, whose
+    inputs and outputs line up with the scan's), or None."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        found = jaxprs_in(eqn.params.get(key))
+        if (
+            len(found) == 1
+            and len(found[0].invars) == len(eqn.invars)
+            and len(found[0].outvars) == len(eqn.outvars)
+        ):
+            return found[0]
+    return None
+
+
+def primitive_names(jaxpr: Any) -> Iterator[str]:
+    """The primitive names of a jaxpr's equations (open or closed), and of the equations of
+    every jaxpr their parameters hold, depth first, lazily."""
+    for eqn in _open(jaxpr).eqns:
+        yield eqn.primitive.name
+        for value in eqn.params.values():
+            for inner in jaxprs_in(value):
+                yield from primitive_names(inner)
+
+
+# -- running equations ------------------------------------------------------------------------
+
+
+def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """An equation applied to `invals` as it was traced (its context, its bind parameters):
+    its outputs, as a list."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # (JAX 0.4 gives (subfunctions, params), later JAX the params alone)
+    subfuns, kwargs = bound if isinstance(bound, tuple) else ((), bound)
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*subfuns, *invals, **kwargs)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+def apply(prim: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """An elementwise primitive applied to `args` with an equation's own parameters."""
+    return prim.bind(*args, **kwargs)
+
+
+def elementwise_key(eqn: Any) -> tuple[Any, ...] | None:
+    """An elementwise equation's parameters as a hashable key, or None when they cannot be
+    one or name a sharding (its result is placed: it runs leaf by leaf)."""
+    try:
+        key = tuple(sorted(eqn.params.items()))
+        hash(key)
+    except TypeError:
+        return None
+    if eqn.params.get("sharding") is not None:
+        return None
+    return key
+
+
+def inlined(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """(open jaxpr, consts) of a nested `jax.jit` with nothing but its function (no effects,
+    shardings, compiler options): evaluated in place. None for anything else."""
+    if eqn.primitive.name not in ("jit", "pjit") or eqn.effects:
+        return None
+    p = eqn.params
+    jaxpr = p.get("jaxpr")
+    closed = isinstance(jaxpr, ClosedJaxpr) or (isinstance(jaxpr, Jaxpr) and not jaxpr.constvars)
+    if not closed or p.get("compiler_options_kvs"):
+        return None
+    shardings = tuple(p.get("in_shardings", ())) + tuple(p.get("out_shardings", ()))
+    if not all(type(s).__name__ == "UnspecifiedValue" for s in shardings):
+        return None
+    return opened(jaxpr)
+
+
+# -- scans ------------------------------------------------------------------------------------
+
+
+class Scan(NamedTuple):
+    """What autoflat reads of a `lax.scan` equation."""
+
+    num_consts: int
+    num_carry: int
+    body: Any  # the body, a closed jaxpr
+    length: int
+    reverse: bool
+    unroll: Any
+
+
+_SCAN_PARAMS = ("num_consts", "num_carry", "jaxpr", "length", "reverse", "unroll")
+
+
+def scan_params(eqn: Any) -> Scan | None:
+    """A scan equation's parameters, or None where this JAX's scan describes them otherwise
+    (JAX 0.12's)."""
+    p = eqn.params
+    if not all(k in p for k in _SCAN_PARAMS) or not isinstance(p["jaxpr"], ClosedJaxpr):
+        return None
+    return Scan(p["num_consts"], p["num_carry"], p["jaxpr"], p["length"], p["reverse"], p["unroll"])
+
+
+@functools.cache
+def scans_readable() -> bool:
+    """Whether this JAX's scans give `scan_params` (JAX 0.4 and 0.10, not 0.12)."""
+    jaxpr = jax.make_jaxpr(lambda c: jax.lax.scan(lambda c, _: (c, c), c, length=1))(0.0)
+    return scan_params(jaxpr.eqns[0]) is not None
+
+
+# -- sharding in types, jit wrappers ----------------------------------------------------------
+
+# The axis type of a mesh axis whose sharding is part of an array's type; None on a JAX
+# without sharding in types.
+EXPLICIT_AXIS: Any = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+
+
+def axis_types(mesh: Any) -> dict[str, Any]:
+    """A mesh's axis types, by axis name (empty on a JAX without them)."""
+    return dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False))
+
+
+def is_jax_jit(fn: Any) -> bool:
+    """Whether `fn` is a `jax.jit`-ed function."""
+    return type(fn).__name__ == "PjitFunction" and hasattr(fn, "lower")
+
+
+def jit_info(fn: Any) -> Any:
+    """A `jax.jit`-ed function's options (`static_argnames`, `in_shardings`, ...), or None
+    where JAX does not expose them (before 0.5)."""
+    return getattr(fn, "_jit_info", None)
+
+
+def spec_extras(spec: Any) -> dict[str, Any]:
+    """A PartitionSpec's `unreduced` and `reduced` axes where set (newer JAX only; empty sets
+    are the default), as keywords for `PartitionSpec`."""
+    return {k: getattr(spec, k) for k in ("unreduced", "reduced") if getattr(spec, k, None)}

@@ -1,0 +1,186 @@
+"""`autoflat.profile`: what it reports is right in kind (host- or device-bound, the rebuild
+lines, the recompile causes, per-step input bytes), and it takes nothing from the caller.
+
+No timing is asserted: the steps here are lopsided on purpose (hundreds of tiny leaves against
+one large matmul), so which side dominates does not depend on this machine's speed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import tree_allclose
+
+import autoflat
+
+TX = optax.sgd(1e-2)
+
+
+def _tiny_leaves_step():
+    @autoflat.step(pack=False)
+    def update(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: sum(jnp.sum(v * x) for v in p.values()))(params)
+        updates, opt_state = TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = {f"w{i}": jnp.ones((2,)) for i in range(300)}
+    return update, params, TX.init(params)
+
+
+def test_a_step_of_many_tiny_leaves_is_host_bound():
+    update, params, opt_state = _tiny_leaves_step()
+    params, opt_state, _ = update(params, opt_state, jnp.ones(2))
+    p = autoflat.profile(update, params, opt_state, jnp.ones(2), calls=5)
+    assert p.host_bound
+    assert p.host_share > 0.5
+    assert p.suggested_num_steps > 1
+    assert p.dispatch_s > 0 and p.autoflat_s >= 0
+    assert "host-bound" in str(p)
+    assert p.step == "_tiny_leaves_step.<locals>.update" and p.num_steps == 1
+
+
+def test_a_large_matmul_step_is_device_bound():
+    @autoflat.step
+    def heavy(w, x):
+        for _ in range(3):
+            x = jnp.tanh(x @ w)
+        return w - 1e-3 * x.mean(), x.sum()
+
+    w = jnp.full((768, 768), 1e-3)
+    p = autoflat.profile(heavy, w, jnp.ones((768, 768)), calls=3)
+    assert not p.host_bound
+    assert p.host_share < 0.05
+    assert p.suggested_num_steps == 1
+    assert "device-bound" in str(p) and "num_steps=1 keeps host work under 5%" in str(p)
+
+
+def test_profile_takes_nothing_from_the_caller():
+    """Handles stay unbuilt and usable, the counters and the fast path are as before."""
+    update, params, opt_state = _tiny_leaves_step()
+    x = jnp.ones(2)
+    params, opt_state, _ = update(params, opt_state, x)
+    ref = jax.tree.map(np.asarray, autoflat.unwrap(params))  # rebuilds: counted below
+    before = autoflat.stats(update)
+    autoflat.profile(update, params, opt_state, x, calls=3)
+    assert autoflat.stats(update) == before
+    tree_allclose(params, ref, exact=True)
+    params, opt_state, _ = update(params, opt_state, x)
+    after = autoflat.stats(update)
+    assert after.calls == before.calls + 1 and after.traces == before.traces
+
+
+def test_profile_leaves_handles_unbuilt_and_the_next_call_on_the_fast_path():
+    update, params, opt_state = _tiny_leaves_step()
+    x = jnp.ones(2)
+    params, opt_state, _ = update(params, opt_state, x)
+    before = autoflat.stats(update)
+    autoflat.profile(update, params, opt_state, x, calls=3)
+    params, opt_state, _ = update(params, opt_state, x)
+    after = autoflat.stats(update)
+    assert after.fast_path == before.fast_path + 2  # both handles: nothing was rebuilt
+    assert after.flattens == before.flattens and after.copies == before.copies
+
+
+def test_profile_of_a_mutation_style_step_leaves_the_callers_object():
+    @autoflat.step
+    def accumulate(totals, x):
+        totals["sum"] = totals["sum"] + x.sum()
+
+    totals = {"sum": jnp.zeros(())}
+    accumulate(totals, jnp.ones(3))
+    autoflat.profile(accumulate, totals, jnp.ones(3), calls=3)
+    assert float(totals["sum"]) == 3.0
+    accumulate(totals, jnp.ones(3))
+    assert float(totals["sum"]) == 6.0
+
+
+def test_profile_of_a_flax_nnx_step_leaves_the_callers_model():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @autoflat.step
+    def train_step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jnp.ones((4, 3))
+    train_step(model, optimizer, x)
+    kernel = np.asarray(model.kernel[...])
+    p = autoflat.profile(train_step, model, optimizer, x, calls=3)
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), kernel)
+    assert p.num_steps == 1
+    train_step(model, optimizer, x)
+    assert not np.array_equal(np.asarray(model.kernel[...]), kernel)
+
+
+def test_profile_names_the_line_that_rebuilt_handles():
+    update, params, opt_state = _tiny_leaves_step()
+    x = jnp.ones(2)
+    params, opt_state, _ = update(params, opt_state, x)
+    _ = params["w0"] + 1  # rebuilds the handle: the next call copies it
+    line = test_profile_names_the_line_that_rebuilt_handles.__code__.co_firstlineno + 4
+    params, opt_state, _ = update(params, opt_state, x)
+    p = autoflat.profile(update, params, opt_state, x, calls=3)
+    assert p.rebuilt_at == ((f"test_profile.py:{line}", 1),)
+    assert p.history["rebuilds"] == 1 and p.history["copies"] >= 1
+    assert f"rebuilt at test_profile.py:{line} x1" in str(p)
+    assert p.rebuilds_per_call == 0  # the profiled loop reads nothing
+
+
+def test_profile_says_why_the_step_recompiled():
+    @autoflat.step(static_argnames="scale")
+    def scaled(w, x, scale):
+        return w - scale * x
+
+    w = jnp.ones(3)
+    for scale in (0.1, 0.2):
+        w = scaled(w, jnp.ones(3), scale)
+    p = autoflat.profile(scaled, w, jnp.ones(3), 0.2, calls=3)
+    assert p.recompiles == ("the value of static argument `scale` (0.1 -> 0.2)",)
+    assert "recompiled 1 times, last: the value of static argument `scale`" in str(p)
+
+
+def test_per_step_input_bytes_and_the_memory_at_the_suggestion():
+    @autoflat.step(num_steps=4)
+    def update(w, x):
+        return w - 0.1 * x.mean(), x.sum()
+
+    xs = jnp.ones((4, 8, 16), jnp.float32)
+    w, _ = update(jnp.zeros(()), xs)
+    p = autoflat.profile(update, w, xs, calls=3)
+    assert p.num_steps == 4
+    assert p.step_input_bytes == 8 * 16 * 4
+    assert p.suggested_input_bytes == p.step_input_bytes * p.suggested_num_steps
+
+
+def test_a_method_step_through_its_instance():
+    class Trainer:
+        def __init__(self):
+            self.lr = 0.5
+
+        @autoflat.step
+        def update(self, w, x):
+            return w - self.lr * x
+
+    t = Trainer()
+    w = t.update(jnp.ones(2), jnp.ones(2))
+    p = autoflat.profile(t.update, w, jnp.ones(2), calls=3)
+    assert p.step == "test_a_method_step_through_its_instance.<locals>.Trainer.update"
+    np.testing.assert_allclose(np.asarray(w), 0.5)
+
+
+def test_not_a_step_and_bad_calls_are_errors():
+    with pytest.raises(autoflat.CallError, match="autoflat.profile expected a function"):
+        autoflat.profile(lambda x: x, jnp.ones(2))
+
+    @autoflat.step
+    def f(w):
+        return w + 1
+
+    with pytest.raises(ValueError, match="calls must be a positive int"):
+        autoflat.profile(f, jnp.ones(2), calls=0)
