@@ -277,16 +277,31 @@ or pass a first chunk of {num_steps} steps (shorter final chunks are fine after 
 """
 
 AMBIGUOUS_STATE = """\
-`{name}` ({where}): {what}, with the same tree structure, shapes and dtypes, and the step \
-does not return its state by name: autoflat cannot tell which position, if any, gives back \
-the new value of which parameter. Say it, naming each parameter the step trains with the \
-return position of its new value:
+`{name}` ({where}): {what}, with the same tree structure, shapes and dtypes{by_name}: \
+autoflat cannot tell which position, if any, gives back the new value of which parameter. Say \
+it, naming each parameter the step trains with the return position of its new value:
 
     @autoflat.step(..., state={{{example}}})
 
 (a parameter passed in and left unchanged, such as a teacher's weights, is not state: \
 `broadcast="name"`), or return the state by name (`new = ...` then `return new, ...` where \
 the parameter is called `new`).
+"""
+
+ARRAY_AT_ITS_PLACE = """\
+`{name}` ({where}): return position {pos} ({returned}, {how} `{param}`) could be the new value \
+of `{param}`: it has the shape and dtype of `{param}`, a bare array, and sits at the place among \
+the returns that `{param}` has among the parameters that could be state. {link}, so autoflat \
+cannot tell whether `{param}` is the same every step (a learning rate or a weight decay beside \
+a loss) or is carried, each step starting from what that position gave back the step before \
+(a `prev_loss` overwritten by `loss`). If it is the same every step, as a learning rate is:
+
+    @autoflat.step(..., broadcast="{param}")
+
+or pass it as a Python float (static: a new value compiles a new version). Only if each step's \
+`{param}` is what return position {pos} gave back at the step before:
+
+    @autoflat.step(..., state={{"{param}": {pos}}})
 """
 
 STATE_NESTED = """\

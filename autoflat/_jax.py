@@ -24,7 +24,8 @@ What this module relies on:
   elementwise primitive's `sharding` (`elementwise_key`); a scan's `num_consts`,
   `num_carry`, `jaxpr`, `length`, `reverse`, `unroll` (`scan_params`: JAX 0.4 and 0.10 have
   them, JAX 0.12 describes its operands otherwise and its scans run as traced).
-- An abstract value's `weak_type` (`weak_type`).
+- An abstract value's `weak_type` (`weak_type`), and `jax._src.lax.lax._convert_element_type`
+  with `weak_type=True` (`weakly_typed`: no public function makes a weakly typed array).
 - `jax.sharding.AxisType.Explicit` and `Mesh.axis_types` (`EXPLICIT_AXIS`, `axis_types`:
   JAX's sharding in types; absent on JAX 0.4).
 - A `jax.jit` function's type name `PjitFunction` and its `_jit_info` (`is_jax_jit`,
@@ -74,6 +75,16 @@ def weak_type(x: Any) -> bool | None:
     traced), None for a value without an abstract value (a NumPy array)."""
     aval = getattr(x, "aval", None)
     return None if aval is None else getattr(aval, "weak_type", None)
+
+
+def weakly_typed(x: Any) -> Any:
+    """`x` (an array or tracer) weakly typed, same dtype and values: what `jax.jit` gives the
+    step for a weakly typed leaf that travelled packed (`_transport.unpack`)."""
+    if weak_type(x):
+        return x
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=True)
 
 
 # -- jaxprs and their equations ---------------------------------------------------------------

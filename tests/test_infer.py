@@ -563,6 +563,66 @@ def test_state_whose_first_axis_is_num_steps_returned_under_another_name():
     tree_allclose(ref, got, rtol=1e-6)
 
 
+def _halved(v, x):
+    v2 = v * 0.5 + x.sum()
+    return v2
+
+
+def _carry(step, v, xs):
+    """`v` through the 8 steps of `xs`: one a call for `jax.jit`, K a call for autoflat."""
+    k = 1 if isinstance(step, type(jax.jit(_halved))) else K
+    for start in range(0, len(xs), k):
+        v = step(v, xs[start] if k == 1 else xs[start : start + k])
+    return v
+
+
+def test_a_bare_array_of_num_steps_entries_returned_under_another_name_asks():
+    """`v2 = v * 0.5 + x.sum(); return v2` at num_steps=4: with `v` of shape (3,) it is state
+    (matched by value), but with shape (4,) it was taken as per-step and the result stacked,
+    silently; both readings type-check. An error names `state="v"` and `per_step="v"`, and
+    each runs as `jax.jit` does under its reading."""
+    xs = _batches(8, (2,))
+    step = autoflat.step(_halved, num_steps=K)
+    v = jnp.arange(4.0)
+    with pytest.raises(autoflat.ShapeError, match="return position 0 gives back") as info:
+        step(v, xs[:K])
+    assert 'state="v"' in str(info.value) and 'per_step="v"' in str(info.value)
+    np.testing.assert_allclose(v, [0.0, 1.0, 2.0, 3.0])  # still usable
+    # state=: carried, as a loop of jax.jit
+    carried = autoflat.step(_halved, num_steps=K, state="v")
+    np.testing.assert_allclose(_carry(carried, v, xs), _carry(jax.jit(_halved), v, xs), rtol=1e-6)
+    # per_step=: one entry of v per step, each step's result stacked
+    mapped = autoflat.step(_halved, num_steps=K, per_step="v")
+    got = mapped(v, xs[:K])
+    want = jnp.stack([jax.jit(_halved)(v[i], xs[i]) for i in range(K)])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # shape (3,): state, matched by value, as before
+    short = autoflat.step(_halved, num_steps=K)
+    got, ref = _carry(short, jnp.arange(3.0), xs), _carry(jax.jit(_halved), jnp.arange(3.0), xs)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    assert "# v: state (matched by value to return position 0)" in autoflat.show(short)
+
+
+def test_a_per_step_array_mapped_to_a_per_step_output_is_not_asked_about():
+    """The neighbours the question above must not catch: an expression at the argument's place
+    (`noise + x`), a name like it whose value only fits one step (`v_sum`), and a per-step
+    argument whose place is taken by state: per-step, stacked, as the leading axis says."""
+
+    def noisy(key, x):
+        key, sub = jax.random.split(key)
+        return key, jax.random.normal(sub, ()) + x
+
+    def summed(w, v, x):
+        v_sum = jnp.sum(v * x)
+        return w + v_sum, v_sum
+
+    key, out = autoflat.step(noisy, num_steps=K)(jax.random.key(0), jnp.arange(4.0))
+    assert out.shape == (K,)
+    w, sums = autoflat.step(summed, num_steps=K)(jnp.zeros(()), jnp.arange(4.0), jnp.ones((K, 2)))
+    np.testing.assert_allclose(sums, [0.0, 2.0, 4.0, 6.0])
+    np.testing.assert_allclose(w, 12.0)
+
+
 def test_state_returned_nested_in_a_tuple_is_refused_at_k_steps():
     """`return (params, opt_state), loss`: the two were taken as broadcast inputs, and at
     num_steps=4 every step restarted from the params passed in, silently (losses [1, 1, 1,
@@ -723,6 +783,31 @@ def test_state_positions_that_the_return_does_not_have(k):
     ):
         step(params, tx.init(params), x)
     np.testing.assert_allclose(params["w"], 0.0)  # still usable
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_a_state_position_holding_a_bare_array_inside_it(k):
+    """`state={"p": 0}` beside `return (p, opt_state), loss` with `p` one array: the Roles page
+    calls it an OptionError before anything runs, as for a dict `p`; it was a ShapeError at
+    num_steps=2 about the state's structure (and at num_steps=1 ran, giving `p` the pair)."""
+    tx = optax.sgd(0.1)
+
+    def update(p, opt_state, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(p)
+        u, opt_state = tx.update(g, opt_state, p)
+        return (optax.apply_updates(p, u), opt_state), loss
+
+    p = jnp.ones(3)
+    x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    step = autoflat.step(update, num_steps=k, state={"p": 0})
+    with pytest.raises(
+        autoflat.OptionError,
+        match=r"state= says `p` comes back at return position 0, but its new value is inside "
+        r"that position, at `\[0\]\[0\]`",
+    ):
+        step(p, tx.init(p), x)
+    np.testing.assert_allclose(p, 1.0)  # still usable
+    assert autoflat.stats(step).traces == 0
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
@@ -1089,6 +1174,68 @@ def test_a_default_never_passed_is_broadcast():
     )
 
 
+def test_the_learning_rate_question_offers_the_fixes_that_fit():
+    """The FAQ's `train_step(params, opt_state, batch, lr)` returning `params, opt_state, loss`
+    at num_steps=2, `lr` an array: the error offered `state={"lr": 2}` as the fix (carrying
+    the loss as the next rate) and said "the step does not return its state by name",
+    although it returns `params` and `opt_state` by name. It offers `broadcast="lr"` and a
+    Python float, as the FAQ says, and `state=` only for a value the step overwrites; both
+    fixes it offers first train as `jax.jit` does."""
+    tx = optax.scale_by_adam()
+
+    def train_step(params, opt_state, batch, lr):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"] - 1.0) ** 2))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, loss
+
+    p0 = {"w": jnp.zeros(3)}
+    xs = _batches(4, (8, 3))
+    with pytest.raises(autoflat.OptionError) as info:
+        autoflat.step(train_step, num_steps=2)(p0, tx.init(p0), xs[:2], jnp.float32(0.01))
+    message = str(info.value)
+    assert "return position 2 (`loss`, not computed from `lr`) could be the new value of `lr`" in (
+        message
+    )
+    assert "does not return its state by name" not in message
+    fixes = message.index('broadcast="lr"'), message.index("Python float")
+    carried = message.index('state={"lr": 2}')
+    assert max(fixes) < carried  # the fixes that fit come first
+    assert "Only if each step's `lr` is what return position 2 gave back" in message
+    state, ref = _reference(train_step, (p0, tx.init(p0)), (xs,), 4, (jnp.float32(0.01),))
+    for step, lr in (
+        (autoflat.step(train_step, num_steps=2, broadcast="lr"), jnp.float32(0.01)),
+        (autoflat.step(train_step, num_steps=2), 0.01),
+    ):
+        got, outs = _run(step, (p0, tx.init(p0)), (xs,), 4, 2, (lr,))
+        tree_allclose(got, state, rtol=1e-6)
+        np.testing.assert_allclose(
+            jnp.concatenate([o[0] for o in outs]), jnp.stack([o[0] for o in ref]), rtol=1e-6
+        )
+
+
+def test_the_ambiguity_error_says_whether_state_is_returned_by_name():
+    """Two parameters alike beside one returned by name: the error does not claim the step
+    returns no state by name; with none returned by name, it says so."""
+
+    def beside(params, a, b, x):
+        c = {"w": a["w"] + b["w"] + x}
+        d = {"w": a["w"] - b["w"]}
+        return params, c, d
+
+    def alone(a, b, x):
+        c = {"w": a["w"] + b["w"] + x}
+        d = {"w": a["w"] - b["w"]}
+        return c, d
+
+    w = {"w": jnp.ones(3)}
+    with pytest.raises(autoflat.OptionError, match="could each be the new value") as info:
+        autoflat.step(beside, num_steps=2)(jnp.ones(2), w, w, jnp.ones((2, 3)))
+    assert "does not return its state by name" not in str(info.value)
+    with pytest.raises(autoflat.OptionError, match="does not return its state by name"):
+        autoflat.step(alone, num_steps=2)(w, w, jnp.ones((2, 3)))
+
+
 @pytest.mark.parametrize("k", [1, K])
 def test_state_returned_by_name_in_one_branch_and_as_a_new_name_in_another(k):
     """`return p, s, loss` in an early branch and `return new_p, new_s, loss` at the end: it
@@ -1112,7 +1259,10 @@ def test_state_returned_by_name_in_one_branch_and_as_a_new_name_in_another(k):
     shown = autoflat.show(step)
     if k > 1:
         assert "# p: state (matched by value to return position 0)" in shown
-    assert "# s: state (returned by name at return position 1 in some returns)" in shown
+    assert (
+        "# s: state (matched by value to return position 1, returned by name there in some "
+        "returns) [rule: matched-by-value]"
+    ) in shown
 
     def scaled(scale, w, x, frozen=False):  # `w` named at position 0, not at its rank (1)
         if frozen:

@@ -243,9 +243,10 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
 
 
 def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(monkeypatch):
-    # The first packs of a layout are host copies, which drop weak types; the compiled pack
-    # that takes over must drop them too (of a `jnp.array(0)` single and of a buffer packed
-    # from `jnp.full(..., 1.0)` leaves), or the step compiles again.
+    # The first packs of a layout are host copies, whose buffers are strongly typed; the
+    # compiled pack that takes over must make them so too (of a `jnp.array(0)` single and of a
+    # buffer packed from `jnp.full(..., 1.0)` leaves), or the step compiles again. The leaves'
+    # weak types travel in the layout: the step and its results have them, as under jax.jit.
     autoflat.clear_caches()  # layouts are interned with their count of host copies
     compiled = []
     real = _transport._pack_jit
@@ -262,8 +263,10 @@ def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(mon
         state = (jnp.array(0), [jnp.full((8,), 1.0) for _ in range(40)])
         assert state[0].weak_type
         count, xs = step(state, 0.5)
-        assert int(count) == 1 and not count.weak_type
+        assert int(count) == 1 and count.weak_type and xs[3].weak_type  # as jax.jit's
         np.testing.assert_allclose(xs[3], np.full(8, 1.49), rtol=1e-6)
+    ref_count, ref_xs = jax.jit(update)(state, 0.5)
+    assert ref_count.weak_type and ref_xs[3].weak_type
     stats = autoflat.stats(step)
     assert stats.traces == 1 and stats.copies == _transport._HOST_CALLS + 2, stats
     assert len(compiled) == 2

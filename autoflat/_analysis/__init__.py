@@ -1,4 +1,4 @@
-"""Stage 1, source analysis: what a step function's own source says, read with libcst.
+"""Source analysis: what a step function's own source says, read with libcst.
 
 Owns finding the function's source (`source`: unwrapping `jax.jit` / `eqx.filter_jit`
 wrappers, reading and dedenting the text), the one libcst pass over it (`visitor`), and the

@@ -19,6 +19,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from .. import _jax
 from .._errors import (
     FUNCTOOLS_PARTIAL,
     JIT_OPTIONS,
@@ -79,7 +80,7 @@ def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _jit_kind(fn: Any) -> str | None:
     """`jax.jit`, `eqx.filter_jit` or `nnx.jit` if `fn` is one of them, else None."""
-    if type(fn).__name__ == "PjitFunction" and hasattr(fn, "lower"):
+    if _jax.is_jax_jit(fn):
         return "jax.jit"
     eqx = sys.modules.get("equinox")
     if eqx is not None and type(fn).__name__ == "_JitWrapper":
@@ -97,7 +98,7 @@ def jit_static_names(fn: Any) -> frozenset[str]:
     while fn is not None and id(fn) not in seen:
         seen.add(id(fn))
         if _jit_kind(fn) == "jax.jit":
-            info = getattr(fn, "_jit_info", None)
+            info = _jax.jit_info(fn)
             names.update(getattr(info, "static_argnames", ()) or ())
         fn = getattr(fn, "__wrapped__", None)
     return frozenset(names)
@@ -122,7 +123,7 @@ def _jit_options(fn: Any, kind: str = "") -> str:
         found = [o for o in inner if o and o != "out_shardings"]
         found += [f"{n}" for n in ("in_shardings", "out_shardings") if getattr(fn, n, None)]
         return ", ".join(found)
-    info = getattr(fn, "_jit_info", None)
+    info = _jax.jit_info(fn)
     if info is None:
         return ""
     found = []

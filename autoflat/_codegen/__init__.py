@@ -1,4 +1,4 @@
-"""Stage 5, code generation and loading: the step's flattened, k-step source, made live.
+"""Code generation and loading: the step's flattened, k-step source, made live.
 
 Owns the generated source as a value (`generate`: libcst templates around the user's body,
 every `return` rewritten) and its loading (`loading`: compiled under a descriptive file name,

@@ -1,4 +1,4 @@
-"""Stage 7, feeding: per-step batches stacked into chunks of `num_steps` for a step.
+"""Feeding: per-step batches stacked into chunks of `num_steps` for a step.
 
 Owns `autoflat.chunks` (`chunks`: the iterator, its prefetch thread and `close()`) and the
 stacking and placing of each chunk (`stacking`).

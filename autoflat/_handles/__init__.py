@@ -1,4 +1,4 @@
-"""Stage 3, handles and frameworks: the state objects the user holds between calls.
+"""Handles and frameworks: the state objects the user holds between calls.
 
 Owns lazy handles (`lazy`: a returned state value standing for the real object until it is
 used), mutation-style state written back into the caller's objects (`writeback`), Flax NNX

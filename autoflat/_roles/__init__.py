@@ -1,4 +1,4 @@
-"""Stage 4, roles: every parameter becomes state, per-step, broadcast or static.
+"""Roles: every parameter becomes state, per-step, broadcast or static.
 
 Owns the role rules (`rules`: one ordered table, the table of docs/roles.md, each rule a named
 function giving a role with its evidence or passing), the options and the roles they give

@@ -30,7 +30,8 @@ SCALARS = (bool, int, float, complex)
 
 def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple[Any, list[Any]]:
     """(rebuild, abstract array leaves) of a value: arrays become ShapeDtypeStructs, and with
-    `scalars` Python numbers too (weakly typed, as `jax.jit` traces a per-step one)."""
+    `scalars` Python numbers too (weakly typed, as `jax.jit` traces a per-step one); weakly
+    typed arrays stay weakly typed, as `jax.jit` traces them."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
     treedef_: Any = treedef
     positions = [
@@ -40,7 +41,7 @@ def abstract_leaves(value: Any, drop_axis: bool, scalars: bool = False) -> tuple
         jax.ShapeDtypeStruct(
             np.shape(leaves[i])[1:] if drop_axis else np.shape(leaves[i]),
             jax.numpy.result_type(leaves[i]),
-            weak_type=isinstance(leaves[i], SCALARS),
+            weak_type=isinstance(leaves[i], SCALARS) or bool(_jax.weak_type(leaves[i])),
             sharding=_explicit_sharding(leaves[i], drop_axis),
         )
         for i in positions

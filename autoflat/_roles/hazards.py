@@ -8,9 +8,11 @@ option that settles it, since guessed wrong it trains silently wrong.
   is matched by value (a state argument returned under another name may have leaves of any
   leading axis) and name the options that settle them.
 - **Per-step or state?** (with `num_steps > 1`): an argument the body writes into whose arrays
-  all have a leading axis of num_steps (a per-step batch changed locally, or state?), and a
+  all have a leading axis of num_steps (a per-step batch changed locally, or state?), a
   per-step-looking container that a return position gives back one step's slice of (state
-  whose first axis happens to be num_steps?). Both name `per_step=` and `state=`.
+  whose first axis happens to be num_steps?), and a per-step-looking bare array given back
+  at its place under another name, where both readings type-check. All name `per_step=` and
+  `state=`.
 - **State returned nested in an output** (with `num_steps > 1`): `return (params, opt_state),
   loss` would take both as broadcast inputs, every step starting again from them.
 """
@@ -95,6 +97,34 @@ def check_per_step_returned(
                 num_steps=num_steps,
             )
     return out
+
+
+def check_array_per_step_returned(
+    analysis: Analysis,
+    values: dict[str, Any],
+    places: dict[str, int],
+    outputs: list[Any],
+    linked: Callable[[str, int], bool],
+    carried: Callable[[str], list[Any] | None],
+    num_steps: int,
+) -> None:
+    """A bare array whose leading axis is num_steps looks per-step (rule 10), but where the
+    return position at its place among the parameters that could be state (`places`) gives
+    back one step's slice of it under the step's own name for its new value (`linked`: `v2 =
+    v * 0.5 + ...`, `return v2`), and the same step with it carried whole (`carried`: that
+    evaluation's positions) gives back its whole shape there, both readings type-check:
+    per-step values mapped one by one, or state whose first axis happens to be num_steps
+    (with shape (3,) at num_steps=4 it is matched as state). Either guess trains silently
+    wrong when it is the other: the user says which."""
+    for p, pos in places.items():
+        rebuild, abstract = abstract_leaves(values[p], drop_axis=True)
+        if not (same_value(rebuild(abstract), outputs[pos]) and linked(p, pos)):
+            continue
+        whole = carried(p)
+        if whole and same_value(values[p], whole[pos]):
+            raise error(
+                ShapeError, PER_STEP_OR_STATE, analysis, param=p, position=pos, num_steps=num_steps
+            )
 
 
 def check_written_per_step(
@@ -256,11 +286,12 @@ def check_state_at(
     analysis: Analysis, values: dict[str, Any], state_at: dict[str, int], outputs: list[Any]
 ) -> None:
     """`state={"params": 0}` where return position 0 holds the new `params` inside it
-    (`return (params, opt_state), loss`): the position given is not the value itself."""
+    (`return (params, opt_state), loss`): the position given is not the value itself. A bare
+    array too (`return (p, opt_state), loss` with `p` one array): the user named that
+    position, so a value like it inside is theirs, where carried it would change the state's
+    structure after one step."""
     for p, pos in state_at.items():
         value = values[p]
-        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            continue  # a bare array: a nested match says little
         if same_value(value, outputs[pos]):
             continue
         path = _nested_path(value, outputs[pos], p)

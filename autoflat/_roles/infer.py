@@ -60,6 +60,7 @@ from .._transport.structure import is_array
 from . import matching as _matching
 from .abstract import SCALARS, eval_one_step, flows, positions_of, same_value
 from .hazards import (
+    check_array_per_step_returned,
     check_per_step_returned,
     check_state_at,
     check_written_per_step,
@@ -329,7 +330,11 @@ class _Inference:
         for p, pos in partly.items():
             if not same_value(self.values[p], outputs[pos]):
                 raise _matching.disagree(self.analysis, p, pos)
-            self.matched[p] = (pos, f"returned by name at return position {pos} in some returns")
+            self.matched[p] = (
+                pos,
+                f"matched by value to return position {pos}, returned by name there in some "
+                "returns",
+            )
         self.pending = [p for p in self.pending if p not in self.matched]
         self.open_positions = [pos for pos in self.open_positions if pos not in partly.values()]
         counters, by_value = self._settle(first, outputs, self.open_positions, numbers)
@@ -445,6 +450,7 @@ class _Inference:
                 analysis, self.fn, self.params, values, self.kinds, self.for_eval, self.options,
                 given_back, self.open_positions, first, self.out, num_steps,
             )  # fmt: skip
+            self._check_arrays_per_step(first, set(given_back.values()))
         raise_leading_axis_errors(
             analysis,
             {p: k for p, k in self.kinds.items() if p not in given_back},
@@ -463,6 +469,54 @@ class _Inference:
                 param=missing[0],
                 returns="; ".join(r.describe() for r in analysis.returns) or "no return",
             )
+
+    def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:
+        """A bare array taken per-step by its leading axis (rule 10), whose place among the
+        parameters that could be state (counted as if it were one) is an open return
+        position, returned there under a name that shares a word with it (`v2`): refused
+        where both readings type-check (`hazards`). An expression there (`x + noise`) is a
+        per-step output of a per-step input, as the leading axis says."""
+        left = [pos for pos in self.open_positions if pos not in taken]
+        bare = [
+            p
+            for p in self.open
+            if self.kinds.get(p) == "scanned"
+            and is_array(self.values[p])
+            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(self.values[p]))
+        ]
+        if not (left and bare):
+            return
+        carried = self._carried()
+        places = {}
+        for p in bare:
+            found = _matching.places(
+                [q for q in self.params if q in carried or q in self.counters or q == p], first
+            )
+            if found.get(p) in left:
+                places[p] = found[p]
+        if not places:
+            return
+        try:
+            outputs = positions_of(first, self.evaluate())
+        except Exception:
+            return  # the step's own trace raises it again, with its line
+        if not outputs:
+            return
+
+        def whole(p: str) -> list[Any] | None:
+            try:
+                out = eval_one_step(
+                    self.fn, self.params, self.values, {**self.for_eval, p: "state"},
+                    self.num_steps,
+                )  # fmt: skip
+            except Exception:
+                return None  # carried whole, the step does not run: not state
+            return positions_of(first, out)
+
+        check_array_per_step_returned(
+            self.analysis, self.values, places, outputs,
+            lambda p, pos: _matching.named_after(p, pos, first.names), whole, self.num_steps,
+        )  # fmt: skip
 
     def result(self) -> Inferred:
         """The table applied with all the first call found, and the scalars made arrays."""

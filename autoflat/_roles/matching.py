@@ -21,7 +21,14 @@ import jax
 import numpy as np
 
 from .._analysis.analysis import Analysis, Return
-from .._errors import AMBIGUOUS_STATE, RETURNS_DISAGREE, OptionError, SourceError, error
+from .._errors import (
+    AMBIGUOUS_STATE,
+    ARRAY_AT_ITS_PLACE,
+    RETURNS_DISAGREE,
+    OptionError,
+    SourceError,
+    error,
+)
 from .._transport.structure import is_array
 from .abstract import same_value
 
@@ -108,7 +115,14 @@ def match(
                     f"value of {listed}"
                 )
             example = ", ".join(f'"{q}": <position>' for q in left)
-            raise error(OptionError, AMBIGUOUS_STATE, analysis, what=what, example=example)
+            raise error(
+                OptionError,
+                AMBIGUOUS_STATE,
+                analysis,
+                what=what,
+                example=example,
+                by_name=_by_name(analysis),
+            )
     return matched
 
 
@@ -127,21 +141,58 @@ def bare_at_place(
     shares a word with `p` (`new_v`, `v2`, `loss` for `prev_loss`), or the return is an
     expression computed from `p` (`0.9 * v + g`). Else nothing tells a learning rate beside
     a loss from a previous loss overwritten every step: the user says which."""
-    sources, direct = flow()[pos]
+    if linked(p, pos, flow, names):
+        return [pos]
+    sources = flow()[pos][0]
     name = names[pos] if pos < len(names) else None
-    if p in direct or (name is not None and _words(name) & _words(p)):
-        return [pos]
-    if name is None and p in sources:
-        return [pos]
     returned = f"`{name}`" if name is not None else "an expression"
-    how = "computed from" if p in sources else "not computed from"
+    link = (
+        f"It is computed from `{p}`, but neither its name nor its last operation says it is "
+        f"`{p}`'s new value"
+        if p in sources
+        else "Nothing else in the step links them"
+    )
     raise error(
         OptionError,
-        AMBIGUOUS_STATE,
+        ARRAY_AT_ITS_PLACE,
         analysis,
-        what=f"return position {pos} ({returned}, {how} `{p}`) could be the new value of `{p}`",
-        example=f'"{p}": {pos}',
+        pos=pos,
+        returned=returned,
+        how="computed from" if p in sources else "not computed from",
+        param=p,
+        link=link,
     )
+
+
+def linked(
+    p: str,
+    pos: int,
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    names: tuple[str | None, ...],
+) -> bool:
+    """Whether more than its place says return position `pos` may be the new value of the
+    bare array `p`: the last operation making it takes `p`'s array (`w - lr * g`), or its
+    name shares a word with `p` (`new_v`, `v2`), or it is an expression computed from `p`
+    (`0.9 * v + g`)."""
+    sources, direct = flow()[pos]
+    if p in direct or named_after(p, pos, names):
+        return True
+    return (names[pos] if pos < len(names) else None) is None and p in sources
+
+
+def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether return position `pos` is a name that shares a word with `p` (`new_v`, `v2`,
+    `loss` for `prev_loss`): the step's own words for `p`'s new value."""
+    name = names[pos] if pos < len(names) else None
+    return name is not None and bool(_words(name) & _words(p))
+
+
+def _by_name(analysis: Analysis) -> str:
+    """For AMBIGUOUS_STATE: that the step returns no parameter by name, where that is so."""
+    params = analysis.param_names
+    if any(name in params for r in analysis.returns for name in r.names):
+        return ""
+    return ", and the step does not return its state by name"
 
 
 def _words(name: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""Stage 6, the call runtime: a call of a decorated step, from its arguments to its results.
+"""The call runtime: a call of a decorated step, from its arguments to its results.
 
 Owns programs and the spec cache (`program`), the helpers generated code calls inside the
 trace (`tracing`), the traced entry and the `jax.jit`s (`entry`), the call path before and

@@ -30,6 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .. import _jax
 from .._errors import BAD_CALL, CallError, error
 from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
@@ -110,9 +111,11 @@ def bind(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
 
 def copy_leaves(arrays: list[Any]) -> list[Any]:
     """Fresh buffers with the same values and placement (so donation never touches the
-    caller's own arrays). Weak types are dropped: a step's outputs are strongly typed, so a
-    weakly typed start (`jnp.full((3,), 1.0)`) would otherwise compile the step twice."""
-    return [jnp.array(a, dtype=computed_dtype(a.dtype), copy=True) for a in arrays]
+    caller's own arrays). Weak types are kept: the step sees what `jax.jit` would give it."""
+    return [
+        jnp.array(a, dtype=None if _jax.weak_type(a) else computed_dtype(a.dtype), copy=True)
+        for a in arrays
+    ]
 
 
 def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -299,10 +302,6 @@ def _take_flattened(
         stats.copies += 1
     elif step.donate and arrays and not _writeback.all_ours(arrays, a):
         call.copies.append(k)  # once the spec says whether the launch donates
-    elif not step.donate and any(getattr(x, "weak_type", False) for x in arrays):
-        # Not copied, but a weakly typed leaf would still compile the step twice (its
-        # output comes back strongly typed): only those leaves are converted.
-        arrays = [copy_leaves([x])[0] if getattr(x, "weak_type", False) else x for x in arrays]
     return structure, arrays, placement, layout
 
 

@@ -2,8 +2,10 @@
 
 `entry(spec, state leaves, xs, broadcast leaves)` is what is traced: it unpacks the state,
 fills in Flax NNX Variables that state arguments share (`_nnx.Link`), runs the generated
-function, pins each state output to its input's sharding, strips weak types (so the next call
-does not compile again), and packs the state again when the transport packs it. It returns
+function, pins each state output to its input's sharding, and packs the state again when the
+transport packs it. Weak types travel as under `jax.jit`: a weakly typed state leaf reaches the
+step weakly typed (a buffer of its own is, a packed one is unpacked so: `Layout.weak`), and
+leaves it as the step returns it (so the next call compiles again where `jax.jit`'s would). It returns
 its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the host-side
 counterpart for shared Variables; `calls_back` finds host callbacks in a traced program
 (`_launch` runs those without donation).
@@ -104,8 +106,8 @@ def _segments_entry(
         for a, layout in zip(state_leaves, spec.layouts, strict=True)
     )
     avals = tuple(
-        [jax.ShapeDtypeStruct(x.shape, x.dtype) if type(x) is _wholes.View else x for x in a]
-        for a in args
+        a if layout is None else _view_avals(layout, a)
+        for a, layout in zip(args, spec.layouts, strict=True)
     )
     meta: list[Any] = []
 
@@ -121,18 +123,42 @@ def _segments_entry(
     values = interpreter.eval(
         *_jax.opened(closed), jax.tree_util.tree_leaves((args, xs, bcast_leaves))
     )
+    layouts = [_layout_out(spec, j, flat) for j, flat in enumerate(leaving)]
+    # What leaves as an array of its own (not packed into a buffer) is cut out of its view,
+    # and typed as traced: computed on views, it can lose the weak type the step gave it.
+    cut = [layout is None for layout, f in zip(layouts, leaving, strict=True) for _ in f.arrays]
+    cut += [True] * (len(values) - len(cut))
+    values = [
+        _typed_as(_wholes.leaf(x), aval) if c else x
+        for x, aval, c in zip(values, closed.out_avals, cut, strict=True)
+    ]
     packed = []
     k = 0
-    for j, flat in enumerate(leaving):
+    for flat, layout in zip(leaving, layouts, strict=True):
         arrays = values[k : k + len(flat.arrays)]
         k += len(flat.arrays)
-        layout = _layout_out(spec, j, flat)
         if layout is None:
-            packed.append(FlatState(flat.structure, [_wholes.leaf(x) for x in arrays]))
+            packed.append(FlatState(flat.structure, arrays))
         else:
             packed.append(FlatState(flat.structure, _wholes.pack(layout, arrays), layout))
-    outputs = out_tree.unflatten([_wholes.leaf(x) for x in values[k:]])
+    outputs = out_tree.unflatten(values[k:])
     return tuple(packed), outputs, interpreter.leaf_by_leaf
+
+
+def _view_avals(layout: _transport.Layout, leaves: list[Any]) -> list[Any]:
+    """The abstract values a packed state's leaves (views of its buffers, or buffers of their
+    own) are traced with: as `_transport.unpack` would give them, weak types included."""
+    return [
+        jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=weak)
+        for x, weak in zip(leaves, layout.weak, strict=True)
+    ]
+
+
+def _typed_as(x: Any, aval: Any) -> Any:
+    """`x` weakly typed if `aval` is, else strongly typed."""
+    if getattr(aval, "weak_type", False):
+        return _jax.weakly_typed(x)
+    return strongly_typed(x) if _jax.weak_type(x) else x
 
 
 def flat_result(spec: CallSpec, leaving: tuple[FlatState, ...], outputs: Any) -> Any:
@@ -193,7 +219,8 @@ def relinked(spec: CallSpec, state_out: tuple[FlatState, ...]) -> tuple[FlatStat
 
 
 def _leaving(spec: CallSpec, k: int, flat: FlatState) -> FlatState:
-    """State output `k` as it leaves the step: pinned and strongly typed (not packed)."""
+    """State output `k` as it leaves the step: pinned (not packed), weak types as the step
+    gives them (as `jax.jit`'s outputs keep them)."""
     placement = spec.placements[k]
     arrays = flat.arrays
     if placement is not None and flat.structure is spec.structures[k]:
@@ -201,9 +228,7 @@ def _leaving(spec: CallSpec, k: int, flat: FlatState) -> FlatState:
             a if s is None else pinned(a, s)
             for a, s in zip(arrays, placement.shardings, strict=True)
         ]
-    # A weakly typed state leaf (`debias = jnp.array(1.0)` in a step) would make the next
-    # call's input differ from this one's and compile the step again.
-    return FlatState(flat.structure, [strongly_typed(a) for a in arrays])
+    return FlatState(flat.structure, arrays)
 
 
 def _layout_out(spec: CallSpec, k: int, flat: FlatState) -> _transport.Layout | None:
@@ -221,7 +246,8 @@ def _layout_out(spec: CallSpec, k: int, flat: FlatState) -> _transport.Layout | 
         else [False] * len(flat.arrays)
     )
     avals = [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in flat.arrays]
-    return _transport.layout_for(avals, multi, pack)
+    weak = [bool(_jax.weak_type(a)) for a in flat.arrays]
+    return _transport.layout_for(avals, multi, pack, weak)
 
 
 def _repacked(spec: CallSpec, k: int, flat: FlatState) -> FlatState:

@@ -4,7 +4,9 @@ Generated code (see `autoflat.show`) calls them by the names in `HELPERS`: `unfl
 state argument's leaves back into the user's object, `flatten` turns the state a step returns
 into leaves of the structure it came in with (or raises, naming what changed), and `scan`
 runs the steps of one call as a `lax.scan`, checking the leading axis of per-step inputs and
-that the state keeps its shapes and dtypes from step to step.
+that the state keeps its shapes and dtypes from step to step, by `lax.scan`'s own rule: a
+weakly typed leaf (made from a Python number) may come back of another dtype, and the scan
+carries it promoted to that dtype from the first step.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _jax
 from .._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
 from .._handles import nnx as _nnx
 from .._handles.lazy import LazyHandle
@@ -82,8 +85,11 @@ def _scan(
         new_carry, ys = step(carry, x)
         for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
             for a, b in zip(old.arrays, new.arrays, strict=True):
-                if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)):
+                if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) and not (
+                    _jax.weak_type(a) and a.shape == jnp.shape(b)
+                ):
                     _changed(spec, i, old.structure, old.arrays, new.structure, new.arrays)
+        # (A weakly typed leaf of another dtype: `lax.scan` promotes it and traces again.)
         return new_carry, ys
 
     return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)

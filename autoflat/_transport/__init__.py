@@ -1,4 +1,4 @@
-"""Stage 2, transport: how state leaves cross the `jax.jit` boundary.
+"""Transport: how state leaves cross the `jax.jit` boundary.
 
 Owns structures (`structure`: the interned static part of a value, flatten and unflatten),
 layouts (`layout`: one buffer per leaf, or small leaves packed into a few 1-D buffers per

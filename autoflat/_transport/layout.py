@@ -11,6 +11,12 @@ back into leaves, and the updated leaves are written back into buffers of the sa
 Leaves whose sharding spans several devices are never packed: a packed buffer has one
 sharding. PRNG key arrays (extended dtypes) are never packed either.
 
+**Weak types.** The buffers are strongly typed; which leaves are weakly typed (made from
+Python numbers: `jnp.asarray(0)`, a `jax.jit` output of `0`) is part of the layout
+(`Layout.weak`, in its key), and `unpack` gives those leaves back weakly typed, so the step
+sees what `jax.jit` would give it for the same leaves, and a layout differs as `jax.jit`'s
+cache key does.
+
 **Compile time.** XLA:CPU compiles every distinct fused kernel on its own (its fusion
 emitters take ~5-20 ms a kernel on a 2-core machine) and compiles identical fusions once. With
 one buffer per leaf, the update kernels of same-shaped leaves are identical, so a state of a
@@ -114,14 +120,21 @@ class Layout:
     Buffers are ordered singles first, then one per group. Interned: compare with `is`.
     """
 
-    __slots__ = ("n_leaves", "singles", "groups", "key", "host_calls")
+    __slots__ = ("n_leaves", "singles", "groups", "weak", "key", "host_calls")
 
     def __init__(
-        self, n_leaves: int, singles: tuple[int, ...], groups: tuple[Group, ...], key: Any
+        self,
+        n_leaves: int,
+        singles: tuple[int, ...],
+        groups: tuple[Group, ...],
+        key: Any,
+        weak: tuple[bool, ...] = (),
     ):
         self.n_leaves = n_leaves
         self.singles = singles
         self.groups = groups
+        # Per leaf, whether it is weakly typed (the buffers never are): `unpack` restores it.
+        self.weak = weak or (False,) * n_leaves
         self.key = key
         # [packs, unpacks] done on the host (`pack_on_device`, `unpack_on_device`)
         self.host_calls = [0, 0]
@@ -147,6 +160,7 @@ def layout_for(
     avals: Sequence[tuple[tuple[int, ...], Any]],
     multi_device: Sequence[bool],
     mode: PackMode,
+    weak: Sequence[bool] | None = None,
 ) -> Layout | None:
     """The layout for leaves of these (shape, dtype)s, or None when nothing would be packed.
 
@@ -157,6 +171,7 @@ def layout_for(
     - `mode`: `True` packs every eligible leaf, `"auto"` only those of at most
       `AUTO_MAX_ELEMENTS` elements, in dtype groups of at least `AUTO_MIN_LEAVES`, `False`
       none.
+    - `weak`: per leaf, whether it is weakly typed (None: none is).
     """
     if not mode:
         return None
@@ -180,10 +195,12 @@ def layout_for(
     if not groups:
         return None
     singles.sort()
+    weak_leaves = tuple(bool(w) for w in weak) if weak is not None and any(weak) else ()
     key = (
         tuple((tuple(s), np.dtype(d) if _packable_dtype(d) else d) for s, d in avals),
         tuple(singles),
         tuple(groups),
+        weak_leaves,
     )
     layout = _interned.get(key)
     if layout is None:
@@ -192,6 +209,7 @@ def layout_for(
             tuple(singles),
             tuple(Group(d, idx, tuple(tuple(avals[i][0]) for i in idx)) for d, idx in groups),
             key,
+            weak_leaves,
         )
         with _lock:
             layout = _interned.setdefault(key, made)
@@ -200,12 +218,9 @@ def layout_for(
 
 def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[Any]:
     """Leaves -> buffers (traceable). `inputs`: the leaves are the program's own inputs (as
-    in `pack_on_device`), not computed by it: then the buffers' weak types are dropped, as the
-    host copy and the step's own outputs drop them (a weakly typed buffer, from a
-    `jnp.full((8,), 1.0)` leaf or a `jnp.array(0)` single, would compile the step twice)."""
-    out = [arrays[i] for i in layout.singles]
-    if inputs:
-        out = [strongly_typed(x) for x in out]
+    in `pack_on_device`), not computed by it. The buffers are strongly typed, as the host
+    copy makes them, whatever the leaves' weak types (`Layout.weak` keeps those)."""
+    out = [strongly_typed(arrays[i]) for i in layout.singles]
     for g in layout.groups:
         flat = []
         for i in g.indices:
@@ -213,8 +228,7 @@ def pack(layout: Layout, arrays: Sequence[Any], inputs: bool = False) -> list[An
             if x.dtype != g.dtype:
                 x = jax.lax.convert_element_type(x, g.dtype)
             flat.append(jax.lax.reshape(x, (int(np.prod(x.shape, dtype=np.int64)),)))
-        buf = _concatenate(flat, inputs)
-        out.append(strongly_typed(buf) if inputs else buf)
+        out.append(strongly_typed(_concatenate(flat, inputs)))
     return out
 
 
@@ -312,13 +326,20 @@ def _pieces(n: int, itemsize: int) -> int:
 
 
 def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
-    """Buffers -> leaves (traceable)."""
+    """Buffers -> leaves (traceable), weakly typed where `layout.weak` says."""
     arrays: list[Any] = [None] * layout.n_leaves
     for i, b in zip(layout.singles, buffers, strict=False):
         arrays[i] = b
     for g, buf in zip(layout.groups, buffers[len(layout.singles) :], strict=True):
         for i, off, n, shape in zip(g.indices, g.offsets, g.sizes, g.shapes, strict=True):
             arrays[i] = _take(buf, off, n, shape, g.total)
+    return weakened(layout, arrays)
+
+
+def weakened(layout: Layout, arrays: list[Any]) -> list[Any]:
+    """The leaves with the weak types `layout.weak` gives them (traceable)."""
+    if any(layout.weak):
+        arrays = [_jax.weakly_typed(x) if w else x for x, w in zip(arrays, layout.weak, strict=True)]
     return arrays
 
 
@@ -339,8 +360,8 @@ def _host_device(layout: Layout, arrays: Sequence[Any], kind: int) -> tuple[Any,
     """(device, committed) when `arrays` may be copied on the host instead (see
     `_HOST_CALLS`): all single-device jax.Arrays on one CPU device, in its default memory,
     none a PRNG key array."""
-    if layout.host_calls[kind] >= _HOST_CALLS:
-        return None
+    if layout.host_calls[kind] >= _HOST_CALLS or (kind == 1 and any(layout.weak)):
+        return None  # (NumPy has no weakly typed arrays to unpack into)
     device, committed = None, False
     for a in arrays:
         if not isinstance(a, jax.Array) or _jax.is_tracer(a):
@@ -430,7 +451,7 @@ def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout
         if placement is not None
         else [False] * len(arrays)
     )
-    return layout_for(avals, multi, mode)
+    return layout_for(avals, multi, mode, [bool(_jax.weak_type(a)) for a in arrays])
 
 
 @_caches.register

@@ -234,8 +234,9 @@ def views(layout: _transport.Layout, buffers: Sequence[Any]) -> list[Any]:
 
 
 def pack(layout: _transport.Layout, values: Sequence[Any]) -> list[Any]:
-    """`_transport.pack` of values that may be views (see `pack_group`)."""
-    out = [leaf(values[i]) for i in layout.singles]
+    """`_transport.pack` of values that may be views (see `pack_group`): strongly typed
+    buffers, as `_transport.pack` makes them."""
+    out = [strongly_typed(leaf(values[i])) for i in layout.singles]
     out.extend(pack_group(g, [values[i] for i in g.indices]) for g in layout.groups)
     return out
 
@@ -270,7 +271,7 @@ def pack_group(g: _transport.Group, items: list[Any]) -> Any:
         parts.append(part)
         whole_parts += 1
     if not whole_parts:
-        return _transport._concatenate(parts)
+        return strongly_typed(_transport._concatenate(parts))
     if len(parts) == 1:
         return strongly_typed(parts[0])
     return strongly_typed(jax.lax.concatenate(parts, 0))
