@@ -88,10 +88,13 @@ def _install_pax(session: nox.Session) -> None:
 @nox.session
 def pax(session: nox.Session) -> None:
     """PAX (the library the idea came from) needs an older JAX: its tutorial's step under
-    autoflat, on small PAX models, against the tutorial's own jax.jit loop. Runs on the
-    interpreter that runs nox (part of the README's test command, so CI runs it)."""
+    autoflat, on small PAX models, against the tutorial's own jax.jit loop; and the tests of
+    autoflat's JAX internals (`autoflat/_jax.py`) on that JAX. Runs on the interpreter that
+    runs nox (part of the README's test command, so CI runs it)."""
     _install_pax(session)
-    session.run("python", "-m", "pytest", "tests/test_pax.py", *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "tests/test_pax.py", "tests/test_jax.py", *session.posargs
+    )
 
 
 @nox.session

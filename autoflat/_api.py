@@ -111,7 +111,8 @@ def step(
     - `pack`: how state leaves travel across `jax.jit`. `"auto"` (the default): leaves of at
       most 512 elements are packed, per dtype, into one contiguous buffer when a state holds
       at least 32 of them; larger leaves (weights) keep their own buffers, and so does state
-      written back into the caller's objects (Flax NNX mutation style). `False`: one buffer
+      written back into the caller's objects (Flax NNX mutation style) and state returned
+      as real objects (`lazy=False`, which would unpack it on every call). `False`: one buffer
       per array leaf. `True`: every array leaf that is not sharded over several devices (and
       not a PRNG key) is packed. Fewer buffers means less host time per call; packing costs
       device copies in and out of the buffers. Inside the step, the elementwise operations

@@ -387,11 +387,37 @@ STRUCTURE_CHANGED = """\
 {diff}
 
 With num_steps={num_steps} the steps of one call run in a `lax.scan`, whose carried state must
-keep its tree structure, non-array fields, shapes and dtypes from step to step. Keep them fixed.
-A Python number goes in as an array where the first call saw the step change it or saw an array
-there; this one was not, so pass it as an array (`jnp.asarray(0)` rather than `0`), or use
-num_steps=1, where the structure may change between calls.
+keep its tree structure, non-array fields, shapes and dtypes from step to step. {advice}
 """
+
+# STRUCTURE_CHANGED's advice: by default; where a Python number in the state changed or came
+# in or out where an array was; where
+# the new shape holds the leading axis of an argument read as broadcast by its shape
+# (`_runtime.tracing`), with the fix for a leading axis longer or shorter than num_steps.
+STRUCTURE_FIXED = """\
+Keep them fixed, or use num_steps=1, where the structure may change between calls."""
+
+STRUCTURE_SCALAR = """\
+Keep them fixed.
+A Python number in the state is part of its structure. It goes in as an array where the first
+call saw the step change it or saw an array there; this one was not, so pass it as an array
+(`jnp.asarray(0)` rather than `0`), and return an array where an array came in; or use
+num_steps=1, where the structure may change between calls."""
+
+STRUCTURE_BROADCAST = """\
+Keep them fixed.
+
+`{arg}` was read as broadcast, the same value for every step, because its leading axis is \
+{axis}, not num_steps={num_steps} [rule: no-leading-axis], and that axis is in the state's new \
+shape. {fix} If `{arg}` is one value for every step, keep the state's shapes fixed with it."""
+
+STRUCTURE_BROADCAST_LONGER = """\
+If `{arg}` holds one entry per step, pass {num_steps} per call (`{arg}[:{num_steps}]`, the \
+rest in later calls), or use num_steps={axis}."""
+
+STRUCTURE_BROADCAST_SHORTER = """\
+If `{arg}` is a first chunk of {axis} steps, say so with `per_step="{arg}"`, or pass a first \
+chunk of {num_steps} (shorter chunks are fine after it)."""
 
 AOT_MISMATCH = """\
 Calling the compiled `{name}` ({where}) with arguments whose structures, static values, \
@@ -414,6 +440,12 @@ KeyboardInterrupt stopped after its compiled program ran. Its results are kept: 
 `{name}.recover()` returns them as that call would have (write-backs into your objects \
 included); call it, then go on from what it returns.
 """
+
+INTERRUPTED_RECOVERABLE = """\
+autoflat: this interrupt came after the compiled program of `{name}` ({where}) ran: the \
+state passed to the call may be consumed, and the call's results are kept. \
+`{name}.recover()` returns them as the call would have (write-backs into your objects \
+included): call it before the step's next call, which forgets them."""
 
 # -- Handles and write-back: donated buffers, state written back into the caller's objects.
 
@@ -458,12 +490,42 @@ name, and its value (a {type}) cannot be updated in place. Return it by name fro
     return {param}, ...
 """
 
+LEFT_TRACED = """\
+`{name}` ({where}) left a traced value in `{path}`, in your object: JAX takes a {type} as one \
+static leaf, not as a tree of arrays, so the step gets your very object, and what the step \
+writes into it while it is traced (in its body or in a function it calls) cannot leave \
+`jax.jit` (a static argument of `jax.jit` leaks the tracer the same way). autoflat put the \
+previous value back. Make {type} a pytree (`@jax.tree_util.register_dataclass` on a \
+dataclass, or `jax.tree_util.register_pytree_node`) and return the new value from the step:
+
+    {param} = ...
+    return {param}, ...
+"""
+
 CANNOT_WRITE_BACK = """\
 `{name}` ({where}) mutates its argument `{param}` without returning it, so autoflat writes the \
 updated value back into the caller's object, but the part at `{path}` is immutable \
 ({type}). Return `{param}` from the step instead:
 
     return {param}, ...
+"""
+
+# Lazy handles met by other code. Not about a step (no {name} or {where}): JAX prints the
+# first two itself where a handle meets a tree of another type (`repr(LazyHandle)`, and a
+# handle's node data in a treedef); the third is a TypeError.
+HANDLE_TYPE = (
+    "<class 'autoflat.LazyHandle'> (a lazy handle that an autoflat step returned: it does "
+    "not pair with real trees in multi-tree operations; pass autoflat.unwrap(x) there, or "
+    "decorate the step with lazy=False to get real objects back)"
+)
+
+HANDLE_NODE = "autoflat handle of {type} (autoflat.unwrap(x) is the {type}; or lazy=False)"
+
+HANDLE_BUILT_BY_TYPE = """\
+autoflat.LazyHandle cannot be made from values: this code rebuilds a value by its type \
+(`type(x)(...)`, as flax.serialization.from_state_dict does for a named tuple), and `x` is a \
+lazy handle that an autoflat step returned. Pass the real object, `autoflat.unwrap(x)`, or \
+decorate the step with `lazy=False` to get real objects back.\
 """
 
 # -- Flax NNX: shared Variables, modules that are not pytrees.

@@ -38,10 +38,10 @@ from ._errors import (
 from ._handles.lazy import LazyHandle, Origin
 from ._handles.nnx import NnxState, take_graph_cache
 from ._roles.roles import Options
-from ._runtime.call import finish, prepare
+from ._runtime.call import finish, hand_over, prepare
 from ._runtime.diagnostics import Diagnostics, Stats
 from ._runtime.entry import entry, jitted, landed, relinked
-from ._runtime.launch import check_pending, launch, runner
+from ._runtime.launch import check_pending, launch, note_recoverable, runner
 from ._runtime.program import Program, Programs, SpecCache
 from ._runtime.stages import Lowered, Traced
 from ._transport.layout import PackMode
@@ -130,6 +130,10 @@ class Step:
         self.donate: bool | Literal["always"] = donate
         self.unroll = unroll
         self.lazy = lazy
+        if pack == "auto" and not lazy:
+            # lazy=False rebuilds real objects (an array per leaf) after every call: under
+            # "auto" their state travels a buffer per leaf (no device call to unpack them).
+            pack = False
         self.pack: PackMode = pack
         self._signature = inspect.signature(self._user_fn)
         self._params = params
@@ -139,7 +143,8 @@ class Step:
         # Checks the options against the source and makes the program from the source alone,
         # so bad options and returns fail at decoration.
         self._programs = Programs(analysis, options, self._user_fn, num_steps)
-        self._specs = SpecCache(analysis, num_steps, unroll, pack)
+        # (Renews the jits, so JAX lets go of programs of instances since freed: `SpecCache`.)
+        self._specs = SpecCache(analysis, num_steps, unroll, pack, _renewer(self))
         # Identity caches (docs/how-it-works.md lists them with what invalidates each):
         # lazy=False: per state position, the last (object, handle) this step returned.
         self._last: dict[int, tuple[Any, LazyHandle]] = {}
@@ -187,16 +192,22 @@ class Step:
         if pending is not None and pending.landed:
             check_pending(self, pending, args, kwargs)
         call = prepare(self, args, kwargs)
+        # From here an interrupt at any point leaves the state passed in intact or the
+        # results for `recover()`: `launch` gives back what it claimed unless the program ran,
+        # and the step keeps the call until `hand_over` returns its result.
         self._in_flight = call
-        state_out, outputs = launch(self, call)
-        result = finish(self, call, state_out, outputs)
-        if self._in_flight is call:
-            self._in_flight = None
-        return result
+        try:
+            state_out, outputs = launch(self, call)
+            return hand_over(call, finish(self, call, state_out, outputs))
+        except BaseException as e:
+            if not isinstance(e, Exception) and (call.landed or call.handed):
+                note_recoverable(self, e)
+            raise
 
     def recover(self) -> Any:
         """The result of the last call, when a `KeyboardInterrupt` (or another exception
-        raised from a signal handler) stopped it after its compiled program ran.
+        raised from a signal handler) stopped it after its compiled program ran, at any point
+        up to the call's return (the interrupt then carries a note that says so).
 
         By then the program has consumed the state passed in (its buffers were donated), and
         its new state exists only in the step: `recover()` returns it as the call would have
@@ -206,13 +217,12 @@ class Step:
 
         **Raises:** `StateError` when there is nothing to recover."""
         call = self._in_flight
-        if call is None or not call.landed:
+        if call is None or not (call.handed or call.landed):
             raise error(StateError, NOTHING_TO_RECOVER, self._analysis)
+        if call.handed:  # it finished; the interrupt came before it returned
+            return hand_over(call, call.handed[0])
         state_out, outputs = landed(call.spec, call.landed[0])
-        result = finish(self, call, state_out, outputs)
-        if self._in_flight is call:
-            self._in_flight = None
-        return result
+        return hand_over(call, finish(self, call, state_out, outputs))
 
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -248,6 +258,10 @@ class Step:
         self._nnx.cache = None
         self._last.clear()
         self._diag.forget_traces()
+        self._renew_jits()
+
+    def _renew_jits(self) -> None:
+        """New `jax.jit`s of the step: JAX forgets the programs it compiled for the old ones."""
         self._jit, self._jit_keep = jitted(self._diag.note_trace, self.donate)
 
     def __repr__(self) -> str:
@@ -257,6 +271,18 @@ class Step:
         if obj is None:
             return self
         return functools.partial(self, obj)
+
+
+def _renewer(step: Step) -> Callable[[], None]:
+    """`step._renew_jits`, holding the step weakly (its spec cache keeps this)."""
+    ref = weakref.ref(step)
+
+    def renew() -> None:
+        s = ref()
+        if s is not None:
+            s._renew_jits()
+
+    return renew
 
 
 def _check_flags(analysis: Any, *, donate: Any, lazy: Any, unroll: Any) -> None:

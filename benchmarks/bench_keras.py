@@ -290,7 +290,7 @@ def run_model(hidden: int, batch_size: int, batches: int, repeats: int, block_s:
             f"  {m.label}: first-batch loss {first:.6f} (jax.jit {ref:.6f}, rel. diff "
             f"{rel:.1e}); warm-up fit (compiles) {m.first_call_s:.1f} s, epoch loss {warm:.4f}"
         )
-        if rel > harness.RTOL:
+        if rel > harness.rtol():
             harness.fail(m, AssertionError(f"first loss {first} vs jax.jit {ref}"), "")
 
     methods = [*kerasm, *jaxm]

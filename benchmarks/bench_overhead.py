@@ -1,6 +1,7 @@
-"""Per-step host overhead of a whole training step, six ways, side by side in one process.
+"""Per-step host overhead of a whole training step, run several ways side by side in one process.
 
-    python benchmarks/bench_overhead.py [--quick] [--json PATH] [--width 2] [--image-size 16]
+    python benchmarks/bench_overhead.py [--quick] [--lazy] [--json PATH] [--width 2]
+                                        [--image-size 16]
 
 The Equinox group of `report.py`'s section 2, alone and shorter: the narrow ResNet50 of
 `models.py` (ResNet50's 161 parameter arrays, channels so narrow that the compute is tiny)
@@ -13,7 +14,8 @@ with `optax.adam`, its step `models.update`
 
 run by plain `jax.jit` (partition once outside, combine inside) without and with donation,
 `eqx.filter_jit`, the hand-written flat-leaves recipe (`jax.jit`, donated), autoflat
-`num_steps=1` and `num_steps=10`, and the device compute per step (a jitted `lax.scan` of
+`num_steps=1` and `num_steps=10` (and with `lazy=False`, at the default transport, against
+its handles: `--lazy` runs only those), and the device compute per step (a jitted `lax.scan` of
 `--compute-steps` steps on flat leaves; "overhead" is step time minus it). `models.methods`
 says what each one does; `harness.py` how they are checked against each other and timed
 (round-robin blocks, every method continuing from its own state). Also the memory each
@@ -30,6 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks`, th
 from benchmarks import harness, models  # noqa: E402
 
 KEYS = ("jit", "jit_donate", "filter_jit", "hand_flat", "autoflat_1", "autoflat_10", "compute")
+# `--lazy`: handles against `lazy=False` (real objects back from every call), at the default
+# transport (`pack="auto"`), k=1 and k=10: the cost of returning real objects.
+LAZY_KEYS = (
+    "autoflat_1_auto",
+    "autoflat_1_auto_lazyfalse",
+    "autoflat_10_auto",
+    "autoflat_10_auto_lazyfalse",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,6 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", metavar="PATH", help="write the raw figures here")
     ap.add_argument("--compute-steps", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=1, help="first calls (compiles) at a time")
+    ap.add_argument(
+        "--lazy", action="store_true", help="only handles against lazy=False (k=1 and k=10)"
+    )
     args = ap.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 9)
     block_s = args.block_seconds or (0.3 if args.quick else 1.0)
@@ -51,18 +64,30 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.image_size}x3; (model, adam state): {counts['arrays']} arrays + "
         f"{counts['static']} non-array leaves"
     )
-    methods = models.methods(s, KEYS, args.compute_steps)
+    methods = models.methods(s, LAZY_KEYS if args.lazy else KEYS + LAZY_KEYS, args.compute_steps)
     result = harness.check_and_time(
         "Equinox", methods, s.args, s.checks, repeats, block_s, args.jobs
     )
     result |= {"rows": harness.method_rows(methods), "memory": harness.measure_memory(methods)}
     refs = [("hand_flat", "hand-written"), ("filter_jit", "filter_jit")]
     print("", *harness.step_table(result["rows"], refs), "", sep="\n")
+    print(*lazy_ratios(result["rows"]), "", sep="\n")
     print(*harness.memory_table(result["memory"]), sep="\n")
     result |= {"machine": machine, "versions": versions, "leaves": counts, "config": vars(args)}
     if args.json:
         harness.write_json(result, args.json)
     return result
+
+
+def lazy_ratios(rows: list[dict]) -> list[str]:
+    """Per k, the median time per step of `lazy=False` over that of handles."""
+    ok = {r["key"]: r["us_per_step"]["median"] for r in rows if "us_per_step" in r}
+    lines = []
+    for k in (1, 10):
+        handles, eager = ok.get(f"autoflat_{k}_auto"), ok.get(f"autoflat_{k}_auto_lazyfalse")
+        if handles and eager:
+            lines.append(f"lazy=False / handles at num_steps={k}: {eager / handles:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import autoflat
 from benchmarks import harness
 from benchmarks.harness import Method, Plan
 
@@ -316,10 +317,34 @@ LABELS = {
 }
 
 
+def lazy_false_method(key: str, s: Setup) -> Method:
+    """`autoflat_{k}[...]_lazyfalse`: the method of the key without `_lazyfalse`
+    (`harness.autoflat_method`), decorated with `lazy=False`: the step returns the real
+    model and optimizer state after every call, and they are passed back."""
+    base_key = key.removesuffix("_lazyfalse")
+    base = harness.autoflat_method(base_key, update, s.fresh, suffix=", lazy=False")
+    options: dict[str, Any] = {
+        "num_steps": base.steps_per_call,
+        "donate": "_nodonate" not in base_key,
+        "pack": True
+        if base_key.endswith("_pack")
+        else "auto"
+        if base_key.endswith("_auto")
+        else False,
+        "lazy": False,
+    }
+    plan = lambda: Plan(lambda: autoflat.step(update, **options), s.fresh())  # noqa: E731
+    note = base.note.replace(
+        "returned handles passed back", "lazy=False: returned objects passed back"
+    )
+    return Method(key, base.label, plan, steps_per_call=base.steps_per_call, note=note)
+
+
 def methods(s: Setup, keys: Sequence[str], compute_steps: int = 100) -> list[Method]:
     """The methods of `keys`: those of `LABELS`, `compute` (a hand-written `lax.scan` of
     `compute_steps` steps on flat leaves, donated: an estimate of the device compute per
-    step), and `autoflat_{k}` with optional suffixes `_nodonate` and `_pack`."""
+    step), and `autoflat_{k}` with optional suffixes `_nodonate`, `_pack` or `_auto`, then
+    `_lazyfalse` (`lazy=False`)."""
 
     def partitioned(donate: bool) -> Plan:
         model, opt_state = s.fresh()
@@ -377,6 +402,8 @@ def methods(s: Setup, keys: Sequence[str], compute_steps: int = 100) -> list[Met
             )
             label = f"device compute (lax.scan of {compute_steps}, flat leaves)"
             out.append(Method(key, label, compute, steps_per_call=compute_steps, note=note))
+        elif key.endswith("_lazyfalse"):
+            out.append(lazy_false_method(key, s))
         else:
             out.append(harness.autoflat_method(key, update, s.fresh))
     return out

@@ -370,3 +370,61 @@ def test_closures_methods_and_future_annotations_match_their_source():
 
     for fn in (closure, Child.update, test_a_renamed_function_is_not_taken_for_an_edited_one):
         assert matches_code(fn, read_source(fn)[0]) is True, fn
+
+
+def test_augmented_assignment_to_a_parameter_is_a_change_in_place():
+    """`d |= {...}` and `xs += [...]` were missed: libcst counts the target of an augmented
+    assignment as a binding only, not as a read of the parameter it names."""
+
+    def update(d, xs, w, x):
+        d |= {"a": x}
+        xs += [x]
+        w += x  # an array: rebound, not changed (rule 6 reads the type at the first call)
+
+    a = analyse(update)
+    line = update.__code__.co_firstlineno
+    assert a.in_place == (
+        ("d", "d |= ...", line + 1),
+        ("w", "w += ...", line + 3),
+        ("xs", "xs += ...", line + 2),
+    )
+    assert a.assigned == frozenset()
+
+
+def test_writes_through_aliases():
+    """A write through a name that holds a part of a parameter at every binding it can see
+    is a write into the parameter, wherever the binding is (before, in a loop, in a nested
+    function's enclosing scope)."""
+
+    def step(m, d, params, batch, cfg, pairs, x):
+        q = m.inner
+        q.n = x  # line 2
+        for _, (layer, other) in enumerate(zip(params["layers"], [{}, {}], strict=True)):
+            layer["w"] = x  # line 4: params
+            other["w"] = x  # a fresh dict: nothing
+        inner = d.get("inner")
+        inner.update(k=x)  # line 7: d, in place
+        getattr(cfg, "opt").lr = x  # noqa: B009  (line 8)
+        h = batch["x"]
+        h += x  # an array rebound: not a change of batch
+        c = cfg.model
+        c = dict(c)
+        c["k"] = x  # not only an alias of cfg: nothing
+        for _, v in pairs.items():
+            v["seen"] = True  # line 15: pairs
+
+        def later():
+            r.count = 0  # line 18: m, through `r` bound below
+
+        r = m.counter
+        later()
+
+    a = analyse(step)
+    line = step.__code__.co_firstlineno
+    assert dict(a.assigned_lines) == {
+        "m": line + 2,
+        "params": line + 4,
+        "cfg": line + 8,
+        "pairs": line + 15,
+    }
+    assert a.in_place == (("d", "inner.update(...)", line + 7),)

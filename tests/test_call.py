@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import accumulate
+from helpers import accumulate, tree_allclose
 from helpers import ones as _ones
-from helpers import tree_allclose
 
 import autoflat
 

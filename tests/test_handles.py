@@ -181,8 +181,10 @@ def test_array_state_handle_supports_operators():
 
 def test_new_handle_fills_every_slot_as_the_constructor_does():
     from autoflat._handles.lazy import LazyHandle, Origin, new_handle
+    from autoflat._transport.structure import flatten
 
-    args = (object(), [jnp.ones(2)], None, Origin("f", "here", None), "state", None)
+    structure, arrays = flatten({"w": jnp.ones(2)})
+    args = (structure, arrays, None, Origin("f", "here", None), "state", None)
     a, b = LazyHandle(*args), new_handle(*args)
     for name in LazyHandle.__slots__:
         if name != "__weakref__":
@@ -211,14 +213,20 @@ def _paths(tree):
     return [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def test_key_paths_are_the_real_objects_without_a_rebuild():
+def test_key_paths_are_the_real_objects_and_the_step_keeps_its_fast_path():
     """Key paths through a handle are those of the object it stands for (`.layers[0].weight`,
-    `[0].mu.layers[0].weight`), not flat indices; the handle is not rebuilt, so the step
-    takes it next on the fast path."""
+    `[0].mu.layers[0].weight`), not flat indices. JAX walking a handle of immutable structure
+    (an Equinox module, optax's tuple of NamedTuples) rebuilds it once and keeps the object;
+    the step still takes it next on the fast path: no flatten, no copy."""
     model, opt_state, _ = _trained()
     before = autoflat.stats(train)
+    train._origin.rebuilt_at.clear()
     got = {"model": _paths(model), "opt": _paths({"opt": opt_state})}
-    assert autoflat.stats(train).rebuilds == before.rebuilds
+    assert autoflat.stats(train).rebuilds == before.rebuilds + 2  # once each, kept
+    # counted at the caller's line, past JAX's pytree functions
+    assert all(at.startswith("test_handles.py:") for at in train._origin.rebuilt_at)
+    _paths(model), jax.tree.leaves(model)
+    assert autoflat.stats(train).rebuilds == before.rebuilds + 2
     assert [p for p, _ in got["model"]][:2] == [".layers[0].weight", ".layers[0].bias"]
     assert got["opt"][0][0] == "['opt'][0].count"
     mapped = jax.tree_util.tree_map_with_path(
@@ -228,6 +236,7 @@ def test_key_paths_are_the_real_objects_without_a_rebuild():
     train(model, opt_state, _batches())  # consumes both handles
     after = autoflat.stats(train)
     assert after.fast_path == before.fast_path + 2 and after.flattens == before.flattens
+    assert after.copies == before.copies
 
     real_model, real_opt, _ = _trained()
     real_model, real_opt = autoflat.unwrap((real_model, real_opt))
@@ -236,6 +245,29 @@ def test_key_paths_are_the_real_objects_without_a_rebuild():
     tree_allclose(mapped, jax.tree.map(lambda x: x * 2 if eqx.is_array(x) else x, real_model))
     with pytest.raises(autoflat.ConsumedError):
         jax.tree_util.tree_flatten_with_path(model)
+    with pytest.raises(autoflat.ConsumedError):
+        jax.tree.leaves(model)
+
+
+def test_walking_a_mutable_handle_reads_a_copy_and_keeps_it_unbuilt():
+    """A handle of mutable structure (a dict) walked by JAX gives the children of a copy made
+    for that walk: the handle stays unbuilt (no rebuild), and the step takes it on the fast
+    path without a copy."""
+
+    @autoflat.step
+    def step(params, x):
+        params = {"w": params["w"] + x, "b": params["b"] * 2}
+        return params
+
+    p = step({"w": jnp.zeros(2), "b": jnp.ones(1)}, jnp.ones(2))
+    before = autoflat.stats(step)
+    assert [k for k, _ in _paths(p)] == ["['b']", "['w']"]
+    assert type(jax.tree.map(lambda x: x + 1, p)) is dict
+    assert len(jax.tree.leaves(p, is_leaf=lambda x: isinstance(x, dict))) == 1
+    step(p, jnp.ones(2))
+    after = autoflat.stats(step)
+    assert after.rebuilds == before.rebuilds == 0
+    assert after.fast_path == before.fast_path + 1 and after.copies == before.copies
 
 
 def test_key_paths_of_a_rebuilt_mutable_handle_follow_its_object():
@@ -253,21 +285,22 @@ def test_key_paths_of_a_rebuilt_mutable_handle_follow_its_object():
 
 def test_pairing_with_a_tree_mapped_from_it_needs_unwrap():
     """`jax.tree.map` over a handle builds the real type, and JAX pairs trees node type by
-    node type: a handle and the tree mapped from it do not pair under key paths (a
-    `LazyHandle` node against a `dict`). This is why orbax, which pairs the tree it saves with
-    one it maps from it, is given `autoflat.unwrap(state)`."""
+    node type: a handle and the tree mapped from it do not pair (a `LazyHandle` node against
+    an `MLP`). This is why orbax, which pairs the tree it saves with one it maps from it, is
+    given `autoflat.unwrap(state)`. Two handles of one structure pair, with key paths or
+    without."""
     model, _, _ = _trained()
     nones = jax.tree.map(lambda x: None, model)
-    with pytest.raises(ValueError, match="LazyHandle"):
+    with pytest.raises(ValueError, match="autoflat.unwrap"):
         jax.tree_util.tree_map_with_path(lambda path, x, y: x, model, nones)
     real = autoflat.unwrap(model)
     jax.tree_util.tree_map_with_path(lambda path, x, y: x, real, nones)
-    # two handles pair without key paths; with them, a handle's node holds the root's
-    # children on one side and every leaf on the other
     other, _, _ = _trained()
     assert type(jax.tree.map(lambda x, y: x, model, other)) is eqx.nn.MLP
-    with pytest.raises(ValueError, match="Mismatch custom node data"):
-        jax.tree_util.tree_map_with_path(lambda path, x, y: x, model, other)
+    paired = jax.tree_util.tree_map_with_path(
+        lambda path, x, y: jax.tree_util.keystr(path), model, other
+    )
+    assert paired.layers[0].weight == ".layers[0].weight"
 
 
 tx_dict = optax.adam(1e-2)

@@ -568,9 +568,8 @@ def _halved(v, x):
     return v2
 
 
-def _carry(step, v, xs):
-    """`v` through the 8 steps of `xs`: one a call for `jax.jit`, K a call for autoflat."""
-    k = 1 if isinstance(step, type(jax.jit(_halved))) else K
+def _carry(step, v, xs, k):
+    """`v` carried through the steps of `xs`, `k` steps a call."""
     for start in range(0, len(xs), k):
         v = step(v, xs[start] if k == 1 else xs[start : start + k])
     return v
@@ -590,7 +589,9 @@ def test_a_bare_array_of_num_steps_entries_returned_under_another_name_asks():
     np.testing.assert_allclose(v, [0.0, 1.0, 2.0, 3.0])  # still usable
     # state=: carried, as a loop of jax.jit
     carried = autoflat.step(_halved, num_steps=K, state="v")
-    np.testing.assert_allclose(_carry(carried, v, xs), _carry(jax.jit(_halved), v, xs), rtol=1e-6)
+    np.testing.assert_allclose(
+        _carry(carried, v, xs, K), _carry(jax.jit(_halved), v, xs, 1), rtol=1e-6
+    )
     # per_step=: one entry of v per step, each step's result stacked
     mapped = autoflat.step(_halved, num_steps=K, per_step="v")
     got = mapped(v, xs[:K])
@@ -598,7 +599,8 @@ def test_a_bare_array_of_num_steps_entries_returned_under_another_name_asks():
     np.testing.assert_allclose(got, want, rtol=1e-6)
     # shape (3,): state, matched by value, as before
     short = autoflat.step(_halved, num_steps=K)
-    got, ref = _carry(short, jnp.arange(3.0), xs), _carry(jax.jit(_halved), jnp.arange(3.0), xs)
+    got = _carry(short, jnp.arange(3.0), xs, K)
+    ref = _carry(jax.jit(_halved), jnp.arange(3.0), xs, 1)
     np.testing.assert_allclose(got, ref, rtol=1e-6)
     assert "# v: state (matched by value to return position 0)" in autoflat.show(short)
 

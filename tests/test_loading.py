@@ -82,6 +82,57 @@ def test_error_in_user_body_points_at_user_line():
     assert not model.is_deleted() and float(model.sum()) == 0.0
 
 
+def _user_frames(exc, name):
+    """The frames of a traceback that run `name` in this file, innermost last."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == __file__ and code.co_name == name:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def boom_inside(model, x):
+    offset = jnp.ones(2)
+
+    def project(v):
+        scaled = v * 2
+        return jnp.dot(scaled, jnp.ones((3, 3)))  # shape error for a length-2 vector
+
+    y = model + x + offset
+    z = project(y)
+    return model, z
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_the_users_frame_in_a_traceback_has_the_bodys_locals(k):
+    """Post-mortem debugging (`pdb.pm()`, IDE debuggers, pytest's --showlocals): the entry
+    at the user's line is a frame of the user's function with its locals, as under
+    `jax.jit`, and the user's globals; it held only autoflat's marker. A function the body
+    defines keeps its own frame's locals."""
+    xs = jnp.ones((k, 2)) if k > 1 else jnp.ones(2)
+    with pytest.raises(TypeError) as ours:
+        autoflat.step(boom, num_steps=k)(jnp.zeros(2), xs)
+    with pytest.raises(TypeError) as jit:
+        jax.jit(boom)(jnp.zeros(2), jnp.ones(2))
+    (frame,) = _user_frames(ours.value, "boom")
+    (jit_frame,) = _user_frames(jit.value, "boom")
+    assert sorted(frame.f_locals) == sorted(jit_frame.f_locals) == ["model", "x", "y"]
+    assert frame.f_locals["y"].shape == (2,)
+    assert frame.f_globals is boom.__globals__
+
+    with pytest.raises(TypeError) as ours:
+        autoflat.step(boom_inside, num_steps=k)(jnp.zeros(2), xs)
+    with pytest.raises(TypeError) as jit:
+        jax.jit(boom_inside)(jnp.zeros(2), jnp.ones(2))
+    for name in ("boom_inside", "project"):
+        (frame,) = _user_frames(ours.value, name)
+        (jit_frame,) = _user_frames(jit.value, name)
+        assert sorted(frame.f_locals) == sorted(jit_frame.f_locals), name
+    assert {"offset", "project", "y"} <= set(_user_frames(ours.value, "boom_inside")[0].f_locals)
+
+
 def test_calling_conventions():
     def update(model, batch, scale=jnp.float32(1.0), *, shift=jnp.float32(0.0)):
         """A docstring."""

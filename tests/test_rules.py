@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from helpers import tree_allclose
 
 import autoflat
 from autoflat._analysis.analysis import analyse
@@ -264,9 +265,247 @@ def test_the_other_evidence_of_a_rule_names_it(case, evidence):
     assert _role_line(step, case.param) == f"# {case.param}: {evidence}"
 
 
+def _named_in_some(p, x, frozen=False):
+    if frozen:
+        return p, jnp.sum(x)
+    new_p = {"w": p["w"] - 0.1 * x}
+    return new_p, jnp.sum(x)
+
+
+def _page_evidence(rule: str) -> set[str]:
+    """The evidence forms the page's table lists for `rule`, positions written as `N`."""
+    text = ROLES_PAGE.read_text(encoding="utf-8").split("## Where roles come from", 1)[1]
+    row = next(line for line in text.splitlines() if f"| `{rule}` |" in line)
+    cell = re.split(r"(?<!\\)\|", row.strip())[-2]
+    return {re.sub(r"\d+", "N", form) for form in re.findall(r"`([^`]*)`", cell)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_parameter_returned_by_name_in_some_returns_has_the_pages_evidence(k):
+    """Returned by name in one `return` and under another name in the other: rule 2 leaves it
+    to rule 3, whose evidence on the page is "matched by value"; `show()` said "returned by
+    name at return position 0 in some returns", which the page's rule 3 does not promise."""
+    step = autoflat.step(_named_in_some, num_steps=k)
+    x = jnp.ones((k, 2)) if k > 1 else jnp.ones(2)
+    step({"w": jnp.zeros(2)}, x)
+    line = _role_line(step, "p")
+    assert line == (
+        "# p: state (matched by value to return position 0, returned by name there in some "
+        "returns) [rule: matched-by-value]"
+    )
+    evidence = re.sub(
+        r"\d+", "N", line.removeprefix("# p: ").removesuffix(" [rule: matched-by-value]")
+    )
+    assert evidence in _page_evidence("matched-by-value")
+    new_name = autoflat.step(_new_name, num_steps=4)
+    new_name({"w": jnp.zeros(2)}, jnp.ones((4, 2)))
+    line = _role_line(new_name, "p").removeprefix("# p: ").removesuffix(" [rule: matched-by-value]")
+    assert re.sub(r"\d+", "N", line) in _page_evidence("matched-by-value")
+
+
 def test_before_the_first_call_what_the_source_leaves_open_is_as_passed():
     step = autoflat.step(_scalar, num_steps=4, broadcast="xs")
     assert _role_line(step, "w") == "# w: scanned (per-step input) [rule: as-passed]"
     assert _role_line(step, "xs") == "# xs: broadcast (broadcast=) [rule: option-or-self]"
     roles = assign_roles(analyse(_scalar), Options(broadcast=frozenset({"xs"})))
     assert roles.rules == ("as-passed", "option-or-self", "as-passed")
+
+
+# --- a parameter returned at several positions (`return p, p`) -------------------------------
+# State also returned as a per-step output, to log its trajectory: the first position that
+# names it is its state, the others per-step outputs (stacked at num_steps > 1). It was a
+# SourceError saying the returns disagree, naming one line twice.
+
+TX = optax.adam(0.1)
+
+
+def _loss(params, x):
+    return jnp.mean((x * params["w"] + params["b"] - 1.0) ** 2)
+
+
+def _log_twice(p, x):  # a bare array, returned as state and as its trajectory
+    p = p - 0.1 * (p * x - 1.0)
+    return p, p
+
+
+def _log_params(params, opt_state, x):  # optax's quick-start step, params logged too
+    loss_value, grads = jax.value_and_grad(_loss)(params, x)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, params
+
+
+def _log_in_a_dict(params, x):
+    grads = jax.grad(_loss)(params, x)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return {"params": params, "log": params}
+
+
+def _log_in_branches(p, x, frozen=False):
+    if frozen:
+        return p, p
+    new_p = jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(_loss)(p, x))
+    return new_p, new_p
+
+
+def _log_old_and_new(p, x, frozen=False):  # `p` named at 0 and 1; at 0 `new_p` in the other
+    if frozen:
+        return p, p
+    new_p = jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(_loss)(p, x))
+    return new_p, p
+
+
+def _log_beside_an_anchor(params, anchor, x):  # `anchor` alike: never matched to the log
+    def loss(p):
+        return _loss(p, x) + jnp.sum((p["w"] - anchor["w"]) ** 2)
+
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params))
+    return params, params
+
+
+def _params():
+    return {"b": jnp.zeros(()), "w": jnp.zeros(3)}
+
+
+def _tuple(n_state):
+    return lambda result: (result[:n_state], result[n_state:])
+
+
+def _dict(result):
+    return (result["params"],), result["log"]
+
+
+_REPEATS = {
+    # name: (step, first arguments, unpack(result) -> (state, outputs), `p: ...` header line,
+    # the returns line with `{out}` for "output" / "output (stacked)")
+    "p, p": (
+        _log_twice,
+        lambda: (jnp.ones(3),),
+        _tuple(1),
+        "# p: state (returned at return position 0; position 1 also returns it: a per-step "
+        "output) [rule: returned-by-name]",
+        "# returns: state p, {out}",
+    ),
+    "params, opt_state, params": (
+        _log_params,
+        lambda: (_params(), TX.init(_params())),
+        _tuple(2),
+        "# params: state (returned at return position 0; position 2 also returns it: a "
+        "per-step output) [rule: returned-by-name]",
+        "# returns: state params, state opt_state, {out}",
+    ),
+    "{'params': params, 'log': params}": (
+        _log_in_a_dict,
+        lambda: (_params(),),
+        _dict,
+        "# params: state (matched by value to return key 'params'; return key 'log' gives "
+        "back the same value: a per-step output) [rule: matched-by-value]",
+        "# returns: 'log': {out}, 'params': state params",
+    ),
+    "p, p | new_p, new_p": (
+        _log_in_branches,
+        lambda: (_params(),),
+        _tuple(1),
+        "# p: state (matched by value to return position 0, returned by name there in some "
+        "returns) [rule: matched-by-value]",
+        "# returns: state p, {out}",
+    ),
+    "p, p | new_p, p": (
+        _log_old_and_new,
+        lambda: (_params(),),
+        _tuple(1),
+        "# p: state (matched by value to return position 0, returned by name there in some "
+        "returns) [rule: matched-by-value]",
+        "# returns: state p, {out}",
+    ),
+    "params, params beside an anchor alike": (
+        _log_beside_an_anchor,
+        lambda: (_params(), {"b": jnp.ones(()), "w": jnp.ones(3)}),
+        lambda result: (result[:1], result[1:]),
+        "# params: state (returned at return position 0; position 1 also returns it: a "
+        "per-step output) [rule: returned-by-name]",
+        "# returns: state params, {out}",
+    ),
+}
+
+
+def _steps(step, state, rest, xs, k, unpack):
+    """8 steps, `k` a call, state carried by the caller; the outputs stacked along steps."""
+    logs = []
+    for start in range(0, 8, k):
+        x = xs[start : start + k] if k > 1 else xs[start]
+        state, out = unpack(step(*state, *rest, x))
+        logs.append(out if k > 1 else jax.tree.map(lambda a: a[None], out))
+    return state, jax.tree.map(lambda *a: jnp.concatenate(a), *logs)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("variant", list(_REPEATS))
+def test_state_also_returned_as_a_per_step_output_runs_as_under_jax_jit(variant, k):
+    fn, args, unpack, role_line, returns_line = _REPEATS[variant]
+    first = args()
+    n_state = 1 if fn in (_log_in_a_dict, _log_beside_an_anchor) else len(first)
+    state, rest = first[:n_state], first[n_state:]
+    xs = jax.random.normal(jax.random.key(0), (8, 3))
+    ref_state, ref_log = _steps(jax.jit(fn), state, rest, xs, 1, unpack)
+    step = autoflat.step(fn, num_steps=k)
+    got_state, got_log = _steps(step, state, rest, xs, k, unpack)
+    tree_allclose(got_state, ref_state)
+    tree_allclose(got_log, ref_log)  # the trajectory, one entry a step
+    shown = autoflat.show(step)
+    assert role_line in shown.splitlines()
+    out = "output (stacked)" if k > 1 else "output"
+    assert returns_line.format(out=out) in shown.splitlines()
+    if fn is _log_beside_an_anchor:
+        assert "# anchor: state" not in shown  # it was matched to the log, carried as params
+
+
+def test_returned_at_two_positions_is_state_at_the_first_at_decoration():
+    roles = assign_roles(analyse(_log_twice), Options())
+    assert roles.state == ("p",)
+    assert roles.layout.entries == (("state", 0), ("out", 0))
+    roles = assign_roles(analyse(_log_params), Options())
+    assert roles.layout.entries == (("state", 0), ("state", 1), ("out", 0))
+
+
+def test_state_option_picks_another_of_the_positions():
+    """`state={"p": 1}` beside `return p, p`: the state is at 1, position 0 the output."""
+    step = autoflat.step(_log_twice, num_steps=4, state={"p": 1})
+    xs = jax.random.normal(jax.random.key(0), (4, 3))
+    log, p = step(jnp.ones(3), xs)
+    assert log.shape == (4, 3) and p.shape == (3,)
+    tree_allclose(p, log[-1])
+    assert "# returns: output (stacked), state p" in autoflat.show(step).splitlines()
+
+
+def _two_at_one_position(p, s, x, flag=False):
+    if flag:
+        return p, jnp.sum(x)
+    return s, jnp.sum(x)
+
+
+def _swapped(p, x, flag=False):
+    if flag:
+        return p, jnp.sum(x)
+    return jnp.sum(x), p
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_returns_naming_two_parameters_at_one_position_still_disagree(k):
+    """What stays an error: two different parameters named at one position across returns,
+    and one parameter named only at different positions; each message names two lines."""
+    x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+    line = _two_at_one_position.__code__.co_firstlineno
+    with pytest.raises(autoflat.SourceError) as info:
+        autoflat.step(_two_at_one_position, num_steps=k)(jnp.ones(3), jnp.ones(3), x)
+    assert str(info.value).startswith(
+        f"The `return` statements of `_two_at_one_position` ({__file__}:{line}) disagree: "
+        f"line {line + 2} returns (p, <expr>) but line {line + 3} returns (s, <expr>).\n"
+    )
+    line = _swapped.__code__.co_firstlineno
+    with pytest.raises(autoflat.SourceError) as info:
+        autoflat.step(_swapped, num_steps=k)(jnp.ones(3), x)
+    assert (
+        f"disagree: line {line + 2} returns (p, <expr>) but line {line + 3} returns (<expr>, p)."
+        in str(info.value)
+    )

@@ -65,8 +65,9 @@ def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():
     s = {"w": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
     with pytest.raises(
         autoflat.AutoflatError, match=r"state\['count'\]: an array became non-array int 1"
-    ):
+    ) as info:
         scanned(s, jnp.ones(2))
+    assert "A Python number in the state is part of its structure" in str(info.value)
     single = autoflat.step(grow)
     out = single(s, jnp.float32(1.0))
     assert out["count"] == 1 and float(out["w"]) == 1.0
@@ -81,8 +82,52 @@ def test_shape_change_in_scan():
 
     with pytest.raises(
         autoflat.AutoflatError, match=r"array float32\[1\] became array float32\[2\]"
-    ):
+    ) as info:
         autoflat.step(widen, num_steps=2)(jnp.zeros(1), jnp.ones(2))
+    # no Python number and no broadcast input is involved: the message blames neither
+    message = str(info.value)
+    assert "Python number" not in message and "broadcast" not in message
+    assert message.endswith(
+        "from step to step. Keep them fixed, or use num_steps=1, where the structure may "
+        "change between calls.\n"
+    )
+
+
+@pytest.mark.parametrize("axis", [4, 2])
+def test_a_state_change_from_an_input_read_as_broadcast_by_its_shape_names_it(axis):
+    # `ys` holds one batch per step, but `axis` of them where num_steps=3: read as broadcast
+    # (rule no-leading-axis), it reaches the state whole, which then changes shape.
+    def update(w, xs, ys):
+        w = w - 0.1 * xs + ys
+        return w, jnp.sum(w)
+
+    step = autoflat.step(update, num_steps=3)
+    w = jnp.zeros(2)
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w, jnp.ones((3, 2)), jnp.ones((axis, 2)))
+    fix = (
+        "If `ys` holds one entry per step, pass 3 per call (`ys[:3]`, the rest in later "
+        "calls), or use num_steps=4."
+        if axis == 4
+        else 'If `ys` is a first chunk of 2 steps, say so with `per_step="ys"`, or pass a '
+        "first chunk of 3 (shorter chunks are fine after it)."
+    )
+    assert str(info.value).endswith(
+        f"  w: array float32[2] became array float32[{axis}, 2]\n\n"
+        "With num_steps=3 the steps of one call run in a `lax.scan`, whose carried state must\n"
+        "keep its tree structure, non-array fields, shapes and dtypes from step to step. "
+        "Keep them fixed.\n\n"
+        "`ys` was read as broadcast, the same value for every step, because its leading axis "
+        f"is {axis}, not num_steps=3 [rule: no-leading-axis], and that axis is in the state's "
+        f"new shape. {fix} If `ys` is one value for every step, keep the state's shapes fixed "
+        "with it.\n"
+    )
+    assert "Python number" not in str(info.value)
+    # the caller's state is usable, and the fix the message names works (on a new step: the
+    # roles stay those of the first call)
+    fixed = autoflat.step(update, num_steps=3, per_step=("xs", "ys") if axis == 2 else ())
+    w, sums = fixed(w, jnp.ones((3, 2))[:axis], jnp.ones((axis, 2))[:3])
+    assert w.shape == (2,) and sums.shape == (min(axis, 3),)
 
 
 def test_unroll_is_passed_to_scan():

@@ -111,20 +111,45 @@ def _find_code(code: types.CodeType, name: str) -> types.CodeType:
     raise RuntimeError(f"autoflat: no code object {name!r} in generated module")  # pragma: no cover
 
 
-def _fake_frame_tb(filename: str, line: int, funcname: str) -> types.TracebackType | None:
-    """A traceback entry whose frame claims to run `funcname` at `filename:line`."""
-    code = compile("\n" * (line - 1) + "raise __autoflat_marker__", filename, "exec")
+def _fake_frame_tb(
+    filename: str,
+    line: int,
+    funcname: str,
+    f_locals: Mapping[str, Any] | None = None,
+    f_globals: dict[str, Any] | None = None,
+) -> types.TracebackType | None:
+    """A traceback entry whose frame claims to run `funcname` at `filename:line`, with
+    `f_locals` as its locals and `f_globals` as its globals: what `pdb.pm()`, IDE debuggers
+    and pytest's `--showlocals` read of it. (Module-level code run by `exec` with a dict of
+    locals has that very dict as its frame's `f_locals`.)"""
+    code = compile("\n" * (line - 1) + f"raise {_MARKER}", filename, "exec")
     code = code.replace(co_name=funcname)
+    namespace = dict(f_locals or {})
+    namespace[_MARKER] = _Marker()
     try:
-        exec(code, {"__autoflat_marker__": _Marker()})
+        exec(code, {} if f_globals is None else f_globals, namespace)
     except _Marker:
         tb = sys.exc_info()[2]
+        del namespace[_MARKER]  # the frame's locals are the body's alone
         return tb.tb_next if tb is not None else None
     return None  # pragma: no cover
 
 
+_MARKER = "__autoflat_marker__"
+
+
 class _Marker(Exception):
     pass
+
+
+def _body_locals(frame: types.FrameType, names: frozenset[str] | None) -> dict[str, Any]:
+    """The locals of a generated frame that the user's own frame would have under
+    `jax.jit`: those among `names` (the user's function's local, cell and free variables),
+    none of the generated code's own; all of them where `names` is None."""
+    f_locals = frame.f_locals
+    if names is None:
+        return dict(f_locals)
+    return {k: v for k, v in f_locals.items() if k in names}
 
 
 def rewrite_traceback(
@@ -134,9 +159,12 @@ def rewrite_traceback(
     user_file: str,
     funcname: str,
     qualname: str,
+    local_names: frozenset[str] | None = None,
 ) -> None:
     """Point the traceback entries of the user's body at the user's file and line, and add a
-    note naming the line.
+    note naming the line. Each such entry's frame has the locals the body had when it
+    raised (of those, `local_names` if given: the names the user's function has), as the
+    user's own frame has them under `jax.jit`, for post-mortem debuggers.
 
     The generated lines are registered with `linecache` again first if something (a
     `linecache.clearcache()`) dropped them, so the entries left in the generated file still
@@ -152,7 +180,18 @@ def rewrite_traceback(
             mapped = generated.user_line(tb.tb_lineno)
             if mapped is not None:
                 user_line = mapped
-                fake = _fake_frame_tb(user_file, mapped, tb.tb_frame.f_code.co_name)
+                frame = tb.tb_frame
+                # The generated function that runs the body (its `def` is generated) takes
+                # the user's function's name and locals; a function the body defines (a
+                # `loss_fn`) is the user's code through and through, and keeps its own.
+                body = generated.user_line(frame.f_code.co_firstlineno) is None
+                fake = _fake_frame_tb(
+                    user_file,
+                    mapped,
+                    funcname if body else frame.f_code.co_name,
+                    _body_locals(frame, local_names if body else None),
+                    frame.f_globals,
+                )
                 if fake is not None:
                     entries.append((fake.tb_frame, fake.tb_lasti, fake.tb_lineno))
                     tb = tb.tb_next

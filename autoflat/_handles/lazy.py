@@ -3,20 +3,24 @@
 A handle holds (structure, array leaves) straight from a compiled call. It rebuilds the real
 object with `tree_unflatten` on first access (attribute, call, `repr`, pickling, iteration,
 `autoflat.unwrap`), once, and otherwise behaves as that object: `isinstance` sees its class,
-and JAX sees the same leaves (it is a pytree node that flattens to them without a rebuild).
-A handle whose buffers were donated to a later call is *consumed*: using it raises a
-`ConsumedError`.
+and JAX sees the same tree. A handle whose buffers were donated to a later call is
+*consumed*: using it raises a `ConsumedError`.
 
-Key paths through a handle are those of the real object: `jax.tree_util.tree_flatten_with_path`
-gives `['w1']`, `[0].mu['w1']`, as for the object, not flat indices. JAX keys every child of a
-node exactly once, so a handle flattened with keys shows the object's root children (subtrees)
-under the root's keys, while the key-less flatten (`jax.jit`, `jax.tree.map`) still gives every
-leaf at once, with no rebuild. The two treedefs differ, so two handles pair in
-`jax.tree.map(f, h1, h2)` but not under key paths (`jax.tree_util.tree_map_with_path(f, h1,
-h2)`). A handle pairs with no real tree either way: JAX pairs trees node type by node type,
-and a handle is a node of its own type, while `jax.tree.map(g, h)` builds the real type. orbax
-pairs the tree it saves with one it maps from it that way, so it needs `autoflat.unwrap(state)`:
-it cannot save a handle directly.
+To JAX a handle is a pytree node of its own type whose children are the real object's root
+children, under the root's own keys, with or without key paths: every function that walks a
+tree (`jax.tree.map`, `jax.jit`, `tree_flatten_with_path`) sees the object's leaves and paths
+(`['w1']`, `[0].mu['w1']`), and an `is_leaf` sees every node of the object below its root, as
+it would see the object's. The children are the real object's: a handle of immutable
+structure (tuples, NamedTuples, frozen dataclasses, Equinox modules) is rebuilt once and keeps
+its object (it stays on the step's fast path); a mutable one (a dict) gives a copy made for
+that traversal and stays unbuilt. Two handles of one structure pair (`jax.tree.map(f, h1,
+h2)`, by path too). A handle pairs with no real tree: JAX pairs trees node type by node type,
+and `jax.tree.map(g, h)` builds the real type. Where that fails (`eqx.partition(h, ...)`,
+`optax.apply_updates(h, updates)`, orbax saving handles), JAX's message prints the handle's
+type, whose repr says what to do: `autoflat.unwrap(x)`, or `lazy=False`.
+
+`flax.serialization` (`to_state_dict`, `to_bytes`, `from_state_dict`, `from_bytes`) takes a
+handle as its object once flax.serialization is imported (`register_with_flax`).
 """
 
 from __future__ import annotations
@@ -25,12 +29,22 @@ import collections
 import copy as _copy
 import os
 import sys
+import sysconfig
 import types
 from typing import Any
 
 import jax
 
-from .._errors import CONSUMED, CONSUMED_LOST, ConsumedError, Location, error
+from .._errors import (
+    CONSUMED,
+    CONSUMED_LOST,
+    HANDLE_BUILT_BY_TYPE,
+    HANDLE_NODE,
+    HANDLE_TYPE,
+    ConsumedError,
+    Location,
+    error,
+)
 from .._transport.structure import Placement, Structure, flatten
 
 
@@ -48,11 +62,11 @@ class Origin:
         self.rebuilt_at: collections.Counter[str] = collections.Counter()
 
     def note_rebuild(self) -> None:
-        """Count a rebuild, at the first frame outside autoflat (a rebuild is rare: walking
-        a few frames costs nothing next to it)."""
+        """Count a rebuild, at the first frame outside autoflat and the installed libraries
+        (a rebuild is rare: walking a few frames costs nothing next to it)."""
         self.stats.rebuilds += 1
         frame: types.FrameType | None = sys._getframe(2)
-        while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED_DIRS):
             frame = frame.f_back
         if frame is not None:
             code = frame.f_code
@@ -60,9 +74,29 @@ class Origin:
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A rebuild is counted where the user's code asked for it: past autoflat's frames and the
+# installed libraries' (JAX's pytree functions, `eqx.filter_jit`, optax walking a handle).
+_SKIPPED_DIRS = (
+    _PACKAGE_DIR,
+    *{os.path.abspath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")},
+)
 
 
-class LazyHandle:
+class _HandleType(type):
+    """The type of `LazyHandle`. Where a handle meets a tree of another type, JAX's pytree
+    error prints the handle's type: its repr says what to do. Code that rebuilds a value by
+    its type (`type(x)(...)`) gets a `TypeError` that says the same."""
+
+    def __repr__(cls) -> str:
+        return HANDLE_TYPE
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args or not isinstance(args[0], Structure):
+            raise TypeError(HANDLE_BUILT_BY_TYPE)
+        return super().__call__(*args, **kwargs)
+
+
+class LazyHandle(metaclass=_HandleType):
     """A state value returned by an autoflat step; behaves as the object it stands for."""
 
     __slots__ = (
@@ -140,7 +174,8 @@ class LazyHandle:
         return obj
 
     def _af_leaves(self) -> tuple[Structure, list[Any]]:
-        """(structure, arrays) for JAX, without a rebuild unless the object may have changed."""
+        """(structure, arrays) for a step, without a rebuild unless the object may have
+        changed."""
         LazyHandle._af_check(self)
         obj = object.__getattribute__(self, "_af_obj")
         structure = object.__getattribute__(self, "_af_structure")
@@ -332,16 +367,10 @@ def new_handle(
     return h
 
 
-def _flatten_handle(h: LazyHandle) -> tuple[list[Any], Any]:
-    """Every leaf of the real object, with its full treedef: no rebuild (`jax.jit`,
-    `jax.tree.map` and the other key-less pytree functions take this path)."""
-    structure, arrays = LazyHandle._af_leaves(h)
-    return structure.all_leaves(arrays), structure.treedef
-
-
 class _OneLevel:
-    """The aux data of a handle flattened with keys: the treedef of the real object's root
-    node over its children (its children are subtrees there, not leaves)."""
+    """The node data of a handle to JAX: the treedef of the real object's root node over its
+    children (subtrees there, not leaves). Its repr, which JAX prints in a treedef, names the
+    object's type and says how to get it."""
 
     __slots__ = ("treedef",)
 
@@ -355,33 +384,45 @@ class _OneLevel:
         return hash(self.treedef)
 
     def __repr__(self) -> str:
-        return f"OneLevel({self.treedef})"
+        data = self.treedef.node_data()
+        return HANDLE_NODE.format(type="leaf" if data is None else data[0].__name__)
+
+
+def _object_for_jax(h: LazyHandle) -> Any:
+    """The real object whose root children JAX sees through handle `h`: its own object once
+    rebuilt; else, of immutable structure, rebuilt now and kept (it can never go stale, and
+    the step still takes the handle on its fast path); else a copy for this traversal only,
+    so the handle stays unbuilt and the step takes it next on the fast path."""
+    obj = object.__getattribute__(h, "_af_obj")
+    if obj is not _UNBUILT:
+        return LazyHandle._af_get(h)  # (raises if consumed)
+    structure = object.__getattribute__(h, "_af_structure")
+    if structure.immutable:
+        return LazyHandle._af_get(h)
+    LazyHandle._af_check(h)
+    return structure.unflatten(LazyHandle._af_leaf_arrays(h))
+
+
+def _flatten_handle(h: LazyHandle) -> tuple[list[Any], _OneLevel]:
+    """The real object's root children (`jax.jit`, `jax.tree.map` and the other key-less
+    pytree functions): an `is_leaf` then sees every node below the root, as for the object."""
+    obj = _object_for_jax(h)
+    children, level = jax.tree_util.tree_flatten(obj, is_leaf=lambda y: y is not obj)
+    return children, _OneLevel(level)
 
 
 def _flatten_handle_with_keys(h: LazyHandle) -> tuple[list[tuple[Any, Any]], _OneLevel]:
     """The real object's root children under the root's own keys, so a key path through a
     handle equals the path through the object (JAX gives every child of a node exactly one
-    key, so the children here are the root's subtrees, not the leaves).
-
-    Key paths need the real object: a handle already rebuilt gives its object's own
-    children; an unbuilt one unflattens a copy for this traversal only and stays unbuilt, so
-    a step taking it next is still on the fast path.
-    """
-    if object.__getattribute__(h, "_af_obj") is _UNBUILT:
-        LazyHandle._af_check(h)
-        structure = object.__getattribute__(h, "_af_structure")
-        obj = structure.unflatten(LazyHandle._af_leaf_arrays(h))
-    else:
-        obj = LazyHandle._af_get(h)
+    key); the same node as the key-less flatten, so handles pair with and without paths."""
+    obj = _object_for_jax(h)
     pairs, level = jax.tree_util.tree_flatten_with_path(obj, is_leaf=lambda y: y is not obj)
     return [(path[0], child) for path, child in pairs], _OneLevel(level)
 
 
-def _unflatten_handle(aux: Any, children: Any) -> Any:
+def _unflatten_handle(aux: _OneLevel, children: Any) -> Any:
     # A handle never comes back from an unflatten: JAX builds the real object.
-    if type(aux) is _OneLevel:
-        return aux.treedef.unflatten(children)  # from a flatten with keys: the root's children
-    return aux.unflatten(children)  # every leaf
+    return aux.treedef.unflatten(children)
 
 
 jax.tree_util.register_pytree_with_keys(
@@ -426,6 +467,32 @@ def unwrap(x: Any) -> Any:
     if type(x) is dict:
         return {k: unwrap(v) for k, v in x.items()}
     return x
+
+
+_flax_registered = False
+
+
+def register_with_flax() -> None:
+    """Once `flax.serialization` is imported, make it take a handle as the object it stands
+    for (`to_state_dict`, `to_bytes`, `from_state_dict`, `from_bytes` look a value's type up in
+    a registry of their own, not JAX's). Called at every step call, so it costs a look-up in
+    `sys.modules` until Flax is there."""
+    global _flax_registered
+    if _flax_registered:
+        return
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None:
+        return
+    _flax_registered = True
+    if not serialization.is_serializable(LazyHandle):
+        serialization.register_serialization_state(
+            LazyHandle,
+            lambda h: serialization.to_state_dict(unwrap(h)),
+            lambda h, state: serialization.from_state_dict(unwrap(h), state),
+        )
+
+
+register_with_flax()
 
 
 def is_handle(x: Any) -> bool:

@@ -6,6 +6,13 @@ has that argument as state; after the call the caller's object is updated in pla
 the new value (`write_back`). `check_writable` refuses, before the call, an object that cannot
 be updated in place (a tuple, a frozen dataclass, a bare array).
 
+A write the source does not show (in a function the step calls, `helper(m.inner, x)`), into an
+object the step gets as it is (one JAX takes as a static leaf: a plain object, not a pytree),
+would leave a traced value in the caller's object. `untouched` guards each trace of the body:
+it notes what the caller's objects among the static leaves hold before, and after the trace
+puts back whatever now holds a traced value and raises a `StateError` naming where. It runs
+only while the body is traced (never on a call that runs a compiled program).
+
 Buffers written into callers' objects are recorded (`record_written`) with the object they went
 into: a later call may donate them without a copy while they are still those arrays, reached
 through that same object, and held nowhere else (`all_ours`). Flax NNX Variables are written by
@@ -14,15 +21,27 @@ through that same object, and held nowhere else (`all_ours`). Flax NNX Variables
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
+import types
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from .. import _caches
+import jax
+
+from .. import _caches, _jax
 from .._analysis.analysis import Analysis
-from .._errors import CANNOT_WRITE_BACK, NOT_A_TREE_WRITTEN, NOT_RETURNED, StateError, error
+from .._errors import (
+    CANNOT_WRITE_BACK,
+    LEFT_TRACED,
+    NOT_A_TREE_WRITTEN,
+    NOT_RETURNED,
+    Located,
+    StateError,
+    error,
+)
 from .._transport import structure as _structure
 from .lazy import _UNBUILT, LazyHandle
 
@@ -232,3 +251,141 @@ def _cannot(analysis: Analysis, param: str, path: str, typ: type) -> Exception:
         path=f"{param}{path}",
         type=typ.__name__,
     )
+
+
+# --- the caller's objects a trace gets as they are -------------------------------------------
+
+# How many of the caller's containers `untouched` notes at most, per trace.
+_WATCH_LIMIT = 10_000
+
+
+def static_roots(name: str, value: Any) -> list[tuple[str, Any]]:
+    """The caller's objects among the static (non-array) leaves of argument `name` (its value,
+    or its interned structure), each with where it is in the argument (`m`, `m['cfg']`)."""
+    if isinstance(value, _structure.Structure):
+        stand_in = object()  # for the arrays (not watched)
+        leaves = value.all_leaves([stand_in] * value.n_arrays)
+        statics = [x for x in leaves if _watched(x)]
+        if not statics:
+            return []
+        if value.treedef.num_leaves == 1:
+            return [(name, statics[0])]
+        try:  # the key paths
+            value = value.treedef.unflatten(leaves)
+        except Exception:
+            return [(f"{name} (a part of it)", x) for x in statics]
+    pairs = jax.tree_util.tree_flatten_with_path(value)[0]
+    return [(name + jax.tree_util.keystr(path), x) for path, x in pairs if _watched(x)]
+
+
+def _watched(x: Any) -> bool:
+    """Whether `x` is an object whose contents can change (a container, an instance with a
+    `__dict__`): not an array, a traced value, a function, a class, a module or a handle."""
+    if isinstance(x, (dict, list)):
+        return True
+    if isinstance(x, (str, bytes, int, float, complex, type, types.ModuleType)) or x is None:
+        return False
+    if _structure.is_array(x) or _jax.is_tracer(x) or type(x) is LazyHandle:
+        return False
+    if inspect.isroutine(x) or is_mutable_module(x):  # (Flax NNX objects: `_nnx`'s)
+        return False
+    return isinstance(getattr(x, "__dict__", None), dict)
+
+
+class _Noted:
+    """The caller's containers reachable from some roots, and what each held (by identity)."""
+
+    def __init__(self, roots: Iterable[tuple[str, str, Any]]) -> None:
+        # id -> (container, its contents as noted: a dict or list copy, its path, and the
+        # parameter and static leaf it was reached from)
+        self.held: dict[int, tuple[Any, Any, str, tuple[str, Any]]] = {}
+        for param, path, obj in roots:
+            self._note(param, obj, path)
+
+    def _note(self, param: str, obj: Any, path: str) -> None:
+        stack = [(obj, path)]
+        while stack and len(self.held) < _WATCH_LIMIT:
+            x, at = stack.pop()
+            if id(x) in self.held:
+                continue
+            if isinstance(x, tuple):
+                stack.extend((v, f"{at}[{i}]") for i, v in enumerate(x))
+                continue
+            if not _watched(x):
+                continue
+            if isinstance(x, dict):
+                contents: Any = dict(x)
+                stack.extend((v, f"{at}[{k!r}]") for k, v in contents.items())
+            elif isinstance(x, list):
+                contents = list(x)
+                stack.extend((v, f"{at}[{i}]") for i, v in enumerate(contents))
+            else:
+                contents = dict(vars(x))
+                stack.extend((v, f"{at}.{k}") for k, v in contents.items())
+            self.held[id(x)] = (x, contents, at, (param, obj))
+
+    def put_back(self) -> list[tuple[str, tuple[str, Any]]]:
+        """Put back every entry that now holds a traced value; where each was, and the
+        parameter and static leaf it was reached from."""
+        found = []
+        for x, was, at, root in self.held.values():
+            now = x if isinstance(x, (dict, list)) else vars(x)
+            if isinstance(x, list):
+                if len(now) != len(was) or any(a is not b for a, b in zip(now, was, strict=True)):
+                    if any(_traced(v) for v in now):
+                        found.append((at, root))
+                        now[:] = was
+                continue
+            for k in [k for k in now if k not in was or now[k] is not was[k]]:
+                if _traced(now[k]):
+                    found.append((f"{at}[{k!r}]" if isinstance(x, dict) else f"{at}.{k}", root))
+                    if k in was:
+                        now[k] = was[k]
+                    else:
+                        del now[k]
+        return found
+
+
+def _traced(value: Any) -> bool:
+    """Whether `value` is or holds a traced value (in a container or an instance's fields)."""
+    stack, seen = [value], set[int]()
+    while stack and len(seen) < _WATCH_LIMIT:
+        x = stack.pop()
+        if _jax.is_tracer(x):
+            return True
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif _watched(x):
+            stack.extend(vars(x).values())
+    return False
+
+
+@contextlib.contextmanager
+def untouched(names: Sequence[str], values: Sequence[Any], fn: Located | None) -> Iterator[None]:
+    """Around a trace of the body of `fn`: the caller's objects among the static leaves of
+    the arguments (parameter `names`, and their `values` or their `Structure`s) hold no
+    traced value afterwards. What does is put back as it was and, unless the trace raised or
+    `fn` is None (an abstract evaluation: the compiled trace that follows says it), a
+    `StateError` names it."""
+    noted = _Noted(
+        (name, path, obj)
+        for name, value in zip(names, values, strict=True)
+        for path, obj in static_roots(name, value)
+    )
+    if not noted.held:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        noted.put_back()
+        raise
+    found = noted.put_back()
+    if found and fn is not None:
+        path, (param, leaf) = min(found, key=lambda f: f[0])
+        raise error(StateError, LEFT_TRACED, fn, path=path, param=param, type=type(leaf).__name__)

@@ -4,8 +4,9 @@
   compile) with each argument as its role gives it: static ones as they are, per-step ones
   without their leading axis (with one step a call, as they are, Python numbers traced as
   `jax.jit` traces them), the rest as ShapeDtypeStructs. Only traced values leave the
-  evaluation, so a Python value the step returns unchanged stays one. `positions_of` splits it
-  into its return positions.
+  evaluation, so a Python value the step returns unchanged stays one; a traced value returned
+  at two places is one abstract value at both (`is_copy`), and a returned dict keeps the
+  step's own key order. `positions_of` splits it into its return positions.
 - **Abstract values compared** (`same_value`): the same tree structure, and per leaf the same
   shape and dtype as JAX computes with it (NumPy float64 is float32 without x64), the same
   static value, or a Python scalar that comes back as a 0-d array.
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 
 from .. import _jax
+from .._handles import writeback as _writeback
 from .._handles.lazy import LazyHandle
 from .._transport.structure import computed_dtype, is_array, is_explicit
 from .options import Role
@@ -110,7 +112,8 @@ def _one_step_call(
     def call(args: list[Any]) -> Any:
         positional = [a for p, a in zip(params, args, strict=True) if p not in keyword_only]
         named = {p: a for p, a in zip(params, args, strict=True) if p in keyword_only}
-        return fn(*positional, **named)
+        with _writeback.untouched(params, args, None):  # no traced value left in your objects
+            return fn(*positional, **named)
 
     return parts, call
 
@@ -283,8 +286,12 @@ def eval_one_step(
             args = _arguments(parts, arrays)
             # Only traced values leave the evaluation; the rest (Python values, constants) are
             # kept as they are, so a Python scalar returned unchanged stays one.
-            leaves, treedef = jax.tree_util.tree_flatten(call(args))
+            result = call(args)
+            leaves, treedef = jax.tree_util.tree_flatten(result)
             found["treedef"] = treedef
+            # A returned dict's keys in the step's own order (flattening sorts them): its
+            # items are return positions in that order (`{"params": p, "log": p}`).
+            found["order"] = tuple(result) if type(result) is dict else None
             found["n"] = len(leaves)
             found["lengths"] = []
             found["paths"] = []
@@ -296,14 +303,22 @@ def eval_one_step(
                 found["paths"].append(paths)
                 leaves += changed
             found["leaves"] = leaves
-            traced = [_jax.is_tracer(x) for x in leaves]
-            found["traced"] = traced
-            return [x for x, t in zip(leaves, traced, strict=True) if t]
+            # Per leaf, the index of its traced value among the distinct ones (-1: not
+            # traced): a value returned twice (`return {"params": p, "log": p}`) comes out as
+            # one abstract value at both places (`is_copy`).
+            distinct: dict[int, int] = {}
+            outs: list[Any] = []
+            for x in leaves:
+                if _jax.is_tracer(x) and id(x) not in distinct:
+                    distinct[id(x)] = len(outs)
+                    outs.append(x)
+            found["index"] = [distinct.get(id(x), -1) if _jax.is_tracer(x) else -1 for x in leaves]
+            return outs
 
-        abstract = iter(jax.eval_shape(one_step, [[] if r is None else a for r, a in parts]))
+        abstract = jax.eval_shape(one_step, [[] if r is None else a for r, a in parts])
         leaves = [
-            next(abstract) if t else x
-            for x, t in zip(found["leaves"], found["traced"], strict=True)
+            abstract[i] if i >= 0 else x
+            for x, i in zip(found["leaves"], found["index"], strict=True)
         ]
         n = found["n"]
         if after is not None:
@@ -311,9 +326,24 @@ def eval_one_step(
             for p, count, paths in zip(after, found["lengths"], found["paths"], strict=True):
                 after[p] = list(zip(paths, leaves[start : start + count], strict=True))
                 start += count
-        return found["treedef"].unflatten(leaves[:n])
+        out = found["treedef"].unflatten(leaves[:n])
+        order = found["order"]
+        return out if order is None else {k: out[k] for k in order}
 
     return _traced_on_failure(attempt, values, roles)
+
+
+def is_copy(earlier: Any, later: Any) -> bool:
+    """Whether two return positions of one step's abstract value (`eval_one_step`) give back
+    the very same traced values (`return p, p`, `{"params": p, "log": p}`), not values alike."""
+    leaves, treedef = jax.tree_util.tree_flatten(earlier)
+    others, other_treedef = jax.tree_util.tree_flatten(later)
+    same: bool = treedef == other_treedef  # type: ignore[operator]
+    return (
+        same
+        and any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+        and all(a is b for a, b in zip(leaves, others, strict=True))
+    )
 
 
 def positions_of(first: Any, out: Any) -> list[Any]:

@@ -104,21 +104,20 @@ def check_array_per_step_returned(
     values: dict[str, Any],
     places: dict[str, int],
     outputs: list[Any],
-    linked: Callable[[str, int], bool],
     carried: Callable[[str], list[Any] | None],
     num_steps: int,
 ) -> None:
     """A bare array whose leading axis is num_steps looks per-step (rule 10), but where the
-    return position at its place among the parameters that could be state (`places`) gives
-    back one step's slice of it under the step's own name for its new value (`linked`: `v2 =
-    v * 0.5 + ...`, `return v2`), and the same step with it carried whole (`carried`: that
+    return position at its place among the parameters that could be state (`places`, where
+    the step returns a name that shares a word with it: `v2 = v * 0.5 + ...`, `return v2`)
+    gives back one step's slice of it, and the same step with it carried whole (`carried`: that
     evaluation's positions) gives back its whole shape there, both readings type-check:
     per-step values mapped one by one, or state whose first axis happens to be num_steps
     (with shape (3,) at num_steps=4 it is matched as state). Either guess trains silently
     wrong when it is the other: the user says which."""
     for p, pos in places.items():
         rebuild, abstract = abstract_leaves(values[p], drop_axis=True)
-        if not (same_value(rebuild(abstract), outputs[pos]) and linked(p, pos)):
+        if not same_value(rebuild(abstract), outputs[pos]):
             continue
         whole = carried(p)
         if whole and same_value(values[p], whole[pos]):

@@ -14,9 +14,12 @@ of the table (`rules`) read from the first call, and applies the table:
 - **State by abstract value** (rule 3). One step is evaluated abstractly (`abstract`: no
   compile) and each return position that does not return a parameter by name is matched to
   the parameter whose abstract value (tree structure, shapes, dtypes) it equals
-  (`matching`). A container or module matches at any position, a bare array only at its own
-  place among the parameters that can come back through a return (so a loss is never taken
-  for a scalar input; a PRNG key also where nothing else fits). One candidate: state.
+  (`matching`); one that names a parameter away from its state position (`return p, p`) is
+  a per-step output, and of positions giving back the very same value (`{"params": p,
+  "log": p}`) a parameter takes the first. A container or module matches at any position,
+  a bare array only at its own place among the parameters that can come back through a
+  return (so a loss is never taken for a scalar input; a PRNG key also where nothing else
+  fits). One candidate: state.
   Several alike: settled by the step's data flow (`flows`), then by names, else an error
   listing them with the `state=` that settles it. A parameter named in `state=` that no
   position matches is an error: never an old value carried unchanged. A single `return
@@ -78,6 +81,7 @@ from .rules import (
     defaulted,
     mutable_module,
     named_in_some,
+    repeated_at,
     returned_by_name,
 )
 from .scalars import scalars_to_array, settle_scalars
@@ -286,7 +290,10 @@ class _Inference:
                     + (" (the items of the tuple its expression gives)" if self.unpacked else ""),
                 )
         if first is not None and first.kind != "none":
+            # A position naming a parameter away from its state position (`return p, p`) is
+            # a per-step output, never another parameter's new value.
             taken = set(self.returned_at.values()) | set(state_at.values())
+            taken |= repeated_at(self.analysis, self.options)
             self.open_positions = [pos for pos in range(len(first.names)) if pos not in taken]
 
     def match_state(self) -> None:
@@ -345,11 +352,14 @@ class _Inference:
             # (some item's last operation takes its parameter's own arrays, `p + u`), not for
             # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params.
             each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out), gradients=())
-            if isinstance(out, dict):
-                names = tuple(k if isinstance(k, str) else None for k in out)
-                each = dataclasses.replace(each, names=names, keys=tuple(out))
+            if isinstance(out, dict):  # its keys sorted, as `jax.jit` returns the dict
+                keys = tuple(sorted(out))
+                names = tuple(k if isinstance(k, str) else None for k in keys)
+                each = dataclasses.replace(each, names=names, keys=keys)
             contents = positions_of(each, out)
-            items = list(range(len(contents)))
+            # In the step's own order: of items giving back the very same value (`{"params":
+            # p, "log": p}`), the first it writes is the state (`matching.match`).
+            items = [each.keys.index(k) for k in out] if each.keys else list(range(len(contents)))
             found, by_value = self._settle(each, contents, items, numbers)
             direct = self._flow_of(each)() if by_value else []
             if any(p in direct[pos][1] for p, (pos, _) in by_value.items()):
@@ -492,7 +502,8 @@ class _Inference:
             found = _matching.places(
                 [q for q in self.params if q in carried or q in self.counters or q == p], first
             )
-            if found.get(p) in left:
+            # Only under a name like its own (`v2`): read off the source before any evaluation.
+            if found.get(p) in left and _matching.named_after(p, found[p], first.names):
                 places[p] = found[p]
         if not places:
             return
@@ -514,9 +525,8 @@ class _Inference:
             return positions_of(first, out)
 
         check_array_per_step_returned(
-            self.analysis, self.values, places, outputs,
-            lambda p, pos: _matching.named_after(p, pos, first.names), whole, self.num_steps,
-        )  # fmt: skip
+            self.analysis, self.values, places, outputs, whole, self.num_steps
+        )
 
     def result(self) -> Inferred:
         """The table applied with all the first call found, and the scalars made arrays."""

@@ -30,7 +30,7 @@ from .._errors import (
     error,
 )
 from .._transport.structure import is_array
-from .abstract import same_value
+from .abstract import is_copy, same_value
 
 
 def match(
@@ -81,6 +81,7 @@ def match(
                 for pos in positions
                 if pos not in fitted and same_value(values[p], outputs[pos])
             ]
+    copies = _first_of_copies(fits, outputs)  # per parameter, a note on the others
     matched: dict[str, tuple[int, str]] = {}
     # One parameter for one position: settled. Repeat while that frees others.
     changed = True
@@ -91,7 +92,7 @@ def match(
                 continue
             others = [q for q, qs in fits.items() if q != p and q not in matched and ps[0] in qs]
             if not others:
-                matched[p] = (ps[0], f"matched by value to return position {ps[0]}")
+                matched[p] = (ps[0], f"matched by value to return position {ps[0]}{copies[p]}")
                 for q in fits:
                     if q not in matched:
                         fits[q] = [pos for pos in fits[q] if pos != ps[0]]
@@ -124,6 +125,22 @@ def match(
                 by_name=_by_name(analysis),
             )
     return matched
+
+
+def _first_of_copies(fits: dict[str, list[int]], outputs: list[Any]) -> dict[str, str]:
+    """A parameter whose value fits several positions that give back the very same value
+    (`return {"params": p, "log": p}`: a trajectory logged) fits the first of them, as
+    `return p, p` gives it back at the first (rule 2); the others are per-step outputs. Per
+    parameter, what its evidence adds: those others, or nothing."""
+    notes = dict.fromkeys(fits, "")
+    for p, ps in fits.items():
+        if len(ps) > 1 and all(is_copy(outputs[ps[0]], outputs[q]) for q in ps[1:]):
+            fits[p] = ps[:1]
+            s = "s" if len(ps) > 2 else ""
+            listed = ", ".join(f"return position {q}" for q in ps[1:])
+            gives = "give" if s else "gives"
+            notes[p] = f"; {listed} {gives} back the same value: a per-step output{s}"
+    return notes
 
 
 def bare_at_place(

@@ -119,9 +119,7 @@ def option_or_self(ctx: Context, p: str) -> Evidence | None:
     if p in options.static:
         return "static", "static_argnames="
     if p == options.instance and not ctx.given_back(p):
-        read = [f"{p}.{a}" for q, a in ctx.analysis.attribute_reads if q == p]
-        watched = f"; a new value of {', '.join(read)} recompiles" if read else ""
-        return "broadcast", "the method's instance" + watched
+        return "broadcast", "the method's instance" + _what_selects(ctx, p)
     if p in options.broadcast:
         return "broadcast", "broadcast="
     if p in options.per_step:
@@ -129,42 +127,116 @@ def option_or_self(ctx: Context, p: str) -> Evidence | None:
     return None
 
 
+def _what_selects(ctx: Context, p: str) -> str:
+    """What of a method's instance selects a compiled version, as the runtime keys it
+    (`_runtime.program.instance_attributes`): for a plain object, the attributes the body
+    reads that the instance holds itself; class attributes and methods are read when traced
+    and not watched. A pytree instance's arrays are inputs; its structure (static fields)
+    selects the version. Nothing before the first call, which settles it."""
+    read = list(dict.fromkeys(a for q, a in ctx.analysis.attribute_reads if q == p))
+    obj = ctx.call.values.get(p, _UNKNOWN) if ctx.call is not None else _UNKNOWN
+    if obj is _UNKNOWN:
+        return ""  # settled at the first call, by the instance's type
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(obj)):
+        return (
+            "; a pytree: its arrays are inputs, its structure and static fields select the "
+            "compiled version"
+        )
+    if not hasattr(obj, "__dict__"):
+        return "; the instance itself selects the compiled version (no __dict__ to watch)"
+    own = [a for a in read if a in vars(obj)]
+    other = [a for a in read if a not in own]
+    says = f"; a new value of {', '.join(f'{p}.{a}' for a in own)} recompiles" if own else ""
+    if other:
+        names = ", ".join(f"{p}.{a}" for a in other)
+        says += f"; {names} (of the class: read when traced, not watched)"
+    return says
+
+
+_UNKNOWN = object()
+
+
 # --- rule 2 --------------------------------------------------------------------------------
 
 
 def returned(ctx: Context, p: str) -> Evidence | None:
-    """Returned by name at the same position of every `return` (`returned_by_name`)."""
-    return ("state", "returned") if p in ctx.returned_at else None
+    """Returned by name at the same position of every `return` (`returned_by_name`); at
+    several positions (`return p, p`), at the first: the others are per-step outputs."""
+    if p not in ctx.returned_at:
+        return None
+    pos = ctx.returned_at[p]
+    also = sorted(
+        {q for r in ctx.analysis.returns for q, n in enumerate(r.names) if n == p} - {pos}
+    )
+    if not also:
+        return "state", "returned"
+    listed = ", ".join(map(str, also))
+    s, it = ("s", "return") if len(also) > 1 else ("", "returns")
+    why = f"returned at return position {pos}; position{s} {listed} also {it} it"
+    return "state", f"{why}: a per-step output{s}"
 
 
 def returned_by_name(analysis: Analysis, options: Options) -> dict[str, int]:
-    """Parameters that every `return` gives back by name, at the same position. One that some
-    returns give back by name and others as another expression at that position (`return p,
-    s, loss` in a branch, `return new_p, new_s, loss` at the end) is left to matching by
-    value; one given back by name at two positions is a disagreement."""
-    params = analysis.param_names
-    explicit = options.explicit
+    """Parameters that every `return` gives back by name at their state position
+    (`named_positions`). One that some returns give back by name and others as another
+    expression at that position (`return p, s, loss` in a branch, `return new_p, new_s, loss`
+    at the end) is left to matching by value (`named_in_some`)."""
     returns = analysis.returns
-    first = returns[0] if returns else None
-    returned_at: dict[str, int] = {}
-    if first is None or first.kind == "none":
-        return returned_at
-    seen: dict[str, tuple[int, Return]] = {}
-    at: dict[int, tuple[str, Return]] = {}
+    return {
+        name: pos
+        for name, pos in named_positions(analysis, options).items()
+        if all(pos < len(r.names) and r.names[pos] == name for r in returns)
+    }
+
+
+def named_positions(analysis: Analysis, options: Options) -> dict[str, int]:
+    """Each parameter some `return` names, with its state position: the first position any
+    return names it at, in order of position. Its other positions are per-step outputs
+    (`return p, p`, `return params, opt_state, params`: a trajectory logged), each named by
+    it in every return that names it there or by no parameter. A `SourceError` where the
+    returns disagree: two parameters named at one position (`return p, ...` here, `return s,
+    ...` there), or one named in some return only away from its state position, at a
+    position another return gives something else (`return p, loss` here, `return loss, p`
+    there)."""
+    params, explicit, returns = analysis.param_names, options.explicit, analysis.returns
+    if not returns or returns[0].kind == "none":
+        return {}
+    at: dict[int, tuple[str, Return]] = {}  # the parameter a position names, and where first
+    state: dict[str, int] = {}
     for r in returns:
         for pos, name in enumerate(r.names):
             if name is None or name not in params or name in explicit:
                 continue
-            if name in seen and seen[name][0] != pos:
-                raise _disagree(analysis, seen[name][1], r)
             if pos in at and at[pos][0] != name:  # `return p, ...` here, `return s, ...` there
                 raise _disagree(analysis, at[pos][1], r)
-            seen.setdefault(name, (pos, r))
             at.setdefault(pos, (name, r))
-    for name, (pos, _) in seen.items():
-        if all(r.names[pos] == name for r in returns):
-            returned_at[name] = pos
-    return dict(sorted(returned_at.items(), key=lambda item: item[1]))
+            state[name] = min(pos, state.get(name, pos))
+    # `state={"p": 1}`: the user's position, unless another parameter is named there.
+    chosen = dict(options.state_at)
+    state.update({p: pos for p, pos in chosen.items() if p in state and at.get(pos, (p,))[0] == p})
+    for name, pos in state.items():
+        for r in returns:
+            if pos < len(r.names) and r.names[pos] == name:
+                continue
+            # Away from its state position in this return: only where every return names it.
+            for q in (q for q, n in enumerate(r.names) if n == name):
+                other = next((o for o in returns if o.names[q] != name), None)
+                if other is not None:
+                    first, second = sorted((other, r), key=lambda o: o.line)
+                    raise _disagree(analysis, first, second)
+    return dict(sorted(state.items(), key=lambda item: item[1]))
+
+
+def repeated_at(analysis: Analysis, options: Options) -> frozenset[int]:
+    """Return positions naming a parameter away from its state position (`return p, p`):
+    per-step outputs, never matched by value to another parameter."""
+    state = named_positions(analysis, options)
+    return frozenset(
+        pos
+        for r in analysis.returns
+        for pos, name in enumerate(r.names)
+        if name in state and pos != state[name]
+    )
 
 
 def _disagree(analysis: Analysis, first: Return, other: Return) -> AutoflatError:
@@ -185,23 +257,19 @@ def matched_by_value(ctx: Context, p: str) -> Evidence | None:
         return None
     pos, why = call.matched[p]
     if call.keys:  # a returned dict's positions are its keys
-        why = re.sub(rf"return position {pos}\b", call.position(pos), why)
+        why = re.sub(r"return position (\d+)\b", lambda m: call.position(int(m[1])), why)
     return "state", why
 
 
 def named_in_some(analysis: Analysis, options: Options) -> dict[str, int]:
-    """Parameters some returns give back by name at a position where others return another
-    expression (`returned_by_name` leaves them out): that position, their place."""
+    """Parameters some returns give back by name at their state position where others return
+    another expression (`returned_by_name` leaves them out): that position, their place."""
     returned = returned_by_name(analysis, options)
-    explicit = options.explicit
-    found: dict[str, int] = {}
-    for r in analysis.returns:
-        if r.kind == "none":
-            continue
-        for pos, name in enumerate(r.names):
-            if name in analysis.param_names and name not in explicit and name not in returned:
-                found.setdefault(name, pos)
-    return found
+    return {
+        name: pos
+        for name, pos in named_positions(analysis, options).items()
+        if name not in returned
+    }
 
 
 # --- rule 4 --------------------------------------------------------------------------------

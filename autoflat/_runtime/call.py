@@ -19,7 +19,9 @@ the caller's objects:
 
 `launch` (`_launch`) runs the compiled program. `finish` marks donated handles consumed,
 wraps state outputs in new lazy handles without unflattening, writes mutation-style state
-back into the caller's objects, and assembles the result in the user's order.
+back into the caller's objects, and assembles the result in the user's order. `hand_over`
+returns it so that no interrupt can come between the step letting go of it and the caller
+having it (until then, `Step.recover` finds it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .. import _jax
 from .._errors import BAD_CALL, CallError, error
 from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
-from .._handles.lazy import _UNBUILT, LazyHandle, new_handle
+from .._handles.lazy import _UNBUILT, LazyHandle, new_handle, register_with_flax
 from .._roles.abstract import SCALARS
 from .._transport import layout as _transport
 from .._transport.layout import Layout
@@ -70,6 +72,9 @@ class Call:
         "landed",
         "donating",
         "xs_shared",
+        "claim",
+        "claimed",
+        "handed",
     )
 
     args: tuple[Any, ...]  # in parameter order
@@ -86,9 +91,14 @@ class Call:
     landed: collections.deque[Any]  # the program's results, as they land (`_launch.launch`)
     donating: bool  # whether the launch donated the state leaves (set by `launch`)
     xs_shared: bool  # a per-step input holds a handle donated as state (`_keep_shared`)
+    claim: tuple[int, Any]  # (call number, step's Origin): marks this call's claims
+    claimed: list[LazyHandle]  # the handles this call marked consumed (`_launch._claim`)
+    handed: collections.deque[Any]  # the finished result, until the caller has it
 
     def __init__(self) -> None:
         self.landed = collections.deque(maxlen=1)
+        self.handed = collections.deque(maxlen=1)
+        self.claimed = []
         self.donating = False
         self.xs_shared = False
 
@@ -458,15 +468,58 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
             hit,
         )
     if not step.lazy:
-        last = step._last
-        last.clear()
-        for k, h in enumerate(handles):
-            if type(h) is not LazyHandle:
-                continue  # state that is one array, or holds none, is returned as it is
-            obj = LazyHandle._af_get(h)
-            last[k] = (obj, h)
-            handles[k] = obj
+        _real_objects(step, handles)
+    register_with_flax()
     return program.result(handles, outputs)
+
+
+def _real_objects(step: Any, handles: list[Any]) -> None:
+    """`lazy=False`: each handle becomes its real object, and what comes back next call is
+    not flattened or copied again: an object of immutable structure, by identity, stands for
+    its handle (`step._last`: the fast path); the arrays of a mutable one (a dict) are
+    recorded as ours (`_writeback.record_written`), so while they are still those arrays and
+    nothing else holds them, they are donated without a copy."""
+    last = step._last
+    last.clear()
+    for k, h in enumerate(handles):
+        if type(h) is not LazyHandle:
+            continue  # state that is one array, or holds none, is returned as it is
+        obj = LazyHandle._af_get(h)
+        if h._af_structure.immutable:
+            last[k] = (obj, h)
+        else:
+            _writeback.record_written(LazyHandle._af_leaf_arrays(h), obj)
+        handles[k] = obj
+
+
+def hand_over(call: Call, result: Any) -> Any:
+    """Return a finished call's `result` to its caller, with no point an interrupt could come
+    at after the step lets go of it and before the caller has it.
+
+    The step keeps its last call (`Step._in_flight`) so that `Step.recover` finds the results
+    of a call that a KeyboardInterrupt stopped after its program ran. The result goes into
+    the call first (`recover()` returns it from there); then what the call held for the
+    launch and the caller's objects are let go (the step keeps only this small record, which
+    has no `spec` any more). A caller hands over the same way, as its last act: `return
+    hand_over(call, finish(...))`, on one line."""
+    handed = call.handed
+    handed.append(result)
+    call.landed.clear()
+    call.args = call.leaves = call.xs = call.bcast_leaves = ()
+    call.donated = call.claimed = []
+    call.nnx_hit, call.nnx_vars, call.links = None, {}, None
+    if hasattr(call, "spec"):
+        del call.spec  # (its static arguments may be the caller's objects: an instance)
+    # The result leaves `handed` by `del` (no Python runs, and Python takes no signal, in it)
+    # right before the return, which adds no line of its own. `taken` is set on the line of
+    # the return: an interrupt at that line, or at any line of the `finally` before the
+    # `del`, leaves the result in `handed`.
+    taken = False
+    try:
+        return handed[0] if (taken := True) else None
+    finally:
+        if taken:
+            del handed[0]
 
 
 def new_handles(step: Any, spec: CallSpec, state_out: tuple[FlatState, ...]) -> list[Any]:

@@ -5,10 +5,10 @@ fills in Flax NNX Variables that state arguments share (`_nnx.Link`), runs the g
 function, pins each state output to its input's sharding, and packs the state again when the
 transport packs it. Weak types travel as under `jax.jit`: a weakly typed state leaf reaches the
 step weakly typed (a buffer of its own is, a packed one is unpacked so: `Layout.weak`), and
-leaves it as the step returns it (so the next call compiles again where `jax.jit`'s would). It returns
-its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the host-side
-counterpart for shared Variables; `calls_back` finds host callbacks in a traced program
-(`_launch` runs those without donation).
+leaves as the step gives it back (the next call compiles again where `jax.jit`'s would). It
+returns its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the
+host-side counterpart for shared Variables; `calls_back` finds host callbacks in a traced
+program (`_launch` runs those without donation).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jax
+from .._handles import writeback as _writeback
 from .._handles.nnx import Link
 from .._transport import layout as _transport
 from .._transport import segments as _segments
@@ -71,7 +72,10 @@ def _body(
     if spec.links is not None:
         state = _linked(spec.links, state)
     bcast = tuple(FlatState(s, a) for s, a in zip(spec.bcast_structures, bcast_leaves, strict=True))
-    with linking():
+    roles = spec.program.roles
+    names = (*roles.state, *roles.of("broadcast"), *spec.static)
+    values = (*spec.structures, *spec.bcast_structures, *spec.static.values())
+    with linking(bcast), _writeback.untouched(names, values, spec.fn):
         state_out, outputs = spec.program.fn(spec, state, xs, bcast)
     leaving = tuple(_leaving(spec, k, flat) for k, flat in enumerate(state_out))
     if spec.links is not None:

@@ -12,14 +12,22 @@ and no program is donated while `jax_debug_nans` or `jax_debug_infs` is on (see
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from .._codegen import loading as _loading
-from .._errors import CONSUMED_BY_INTERRUPTED, NOT_AN_ARRAY, CallError, StateError, error
+from .._errors import (
+    CONSUMED,
+    CONSUMED_BY_INTERRUPTED,
+    INTERRUPTED_RECOVERABLE,
+    NOT_AN_ARRAY,
+    CallError,
+    ConsumedError,
+    StateError,
+    error,
+)
 from .._handles.lazy import LazyHandle
 from .._transport.structure import is_array
 from .entry import calls_back
@@ -39,16 +47,21 @@ def launch(
 
     With `donate=True`, a program that calls back to the host (found at its first trace) runs
     without donation: it can fail while running, after donated inputs are gone. Such a
-    program that also writes back into the caller's objects is waited for before they are."""
+    program that also writes back into the caller's objects is waited for before they are.
+
+    An exception anywhere in here, an interrupt included, leaves the state passed in intact
+    (the handles this call claimed are given back) unless the program ran: then its results
+    are in `call.landed`, for `finish` or `Step.recover`."""
     __tracebackhide__ = True
     spec, inputs = call.spec, call.inputs()
-    claimed = _claim(step, call.donated) if call.donated and step.donate else ()
     # The results land in the call's `landed` from C (`deque.extend` of a `starmap`), with no
     # Python bytecode between the program's return and their store: a KeyboardInterrupt
     # that Python raises right after the program returned leaves them reachable from the step
     # (`Step.recover`, through `step._in_flight`), not lost with the inputs it consumed.
     landed = call.landed
     try:
+        if call.donated and step.donate:
+            _claim(step, call)
         if compiled is not None:
             call.donating = donating
             landed.extend(itertools.starmap(compiled, (inputs,)))
@@ -62,34 +75,65 @@ def launch(
             # which the write-back would have filled with broken arrays in place of values.
             jax.block_until_ready(landed[0])
     except BaseException as e:
-        if landed and isinstance(e, Exception):
-            landed.clear()  # the program failed while it ran: its results are broken
-        if not landed and not _consumed(call):
-            # The program did not run: nothing donated, nothing to recover.
-            if step._in_flight is call:
-                step._in_flight = None
-            for h in claimed:
-                object.__setattr__(h, "_af_consumed_by", 0)
-        if not isinstance(e, Exception):
-            if not landed and _consumed(call):
-                e.add_note(_LOST)
-                for h in claimed:  # gone with the results: say so when they are used
-                    by = object.__getattribute__(h, "_af_consumed_by")
-                    object.__setattr__(h, "_af_consumed_by", -by)
-            raise
-        if isinstance(e, TypeError):
-            _raise_if_not_arrays(step, call, e)
-        program = call.program
-        _loading.rewrite_traceback(
-            e,
-            program.generated,
-            program.filename,
-            step._analysis.filename,
-            step._analysis.funcdef.name.value,
-            step._analysis.name,
-        )
+        _failed(step, call, e)
         raise
     return landed_result(spec, landed[0])
+
+
+def _failed(step: Any, call: Call, e: BaseException) -> None:
+    """What a launch that raised `e` leaves: its inputs intact and the handles it claimed
+    given back, if the program did not run; its results for `recover()`, if they landed; else
+    (an interrupt in JAX's Python after the program ran) the consumed handles say their
+    results are lost. An error from the program points at the user's code."""
+    __tracebackhide__ = True
+    landed = call.landed
+    if landed and isinstance(e, Exception):
+        landed.clear()  # the program failed while it ran: its results are broken
+    if not landed and not _consumed(call):
+        # The program did not run: nothing donated, nothing to recover.
+        if step._in_flight is call:
+            step._in_flight = None
+        _unclaim(call)
+    if not isinstance(e, Exception):
+        if landed:
+            note_recoverable(step, e)
+        elif _consumed(call):
+            e.add_note(_LOST)
+            for h in call.claimed:  # gone with the results: say so when they are used
+                by = object.__getattribute__(h, "_af_consumed_by")
+                object.__setattr__(h, "_af_consumed_by", -abs(by))
+        _release(call)
+        return
+    _release(call)
+    if isinstance(e, TypeError):
+        _raise_if_not_arrays(step, call, e)
+    program = call.program
+    _loading.rewrite_traceback(
+        e,
+        program.generated,
+        program.filename,
+        step._analysis.filename,
+        step._analysis.funcdef.name.value,
+        step._analysis.name,
+        _local_names(step._user_fn),
+    )
+
+
+def _local_names(fn: Any) -> frozenset[str] | None:
+    """The names a frame of the user's function `fn` has as locals: its local, cell and free
+    variables (what its frame shows under `jax.jit`)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    return frozenset((*code.co_varnames, *code.co_cellvars, *code.co_freevars))
+
+
+def note_recoverable(step: Any, e: BaseException) -> None:
+    """Add to an interrupt (`e`, not an `Exception`) that came after the step's program ran
+    the note that says `recover()` returns the call's results."""
+    note = INTERRUPTED_RECOVERABLE.format(name=step._analysis.name, where=step._analysis.where)
+    if note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
 
 
 # An interrupt raised by Python code that JAX ran after the program (on its first call for
@@ -157,21 +201,57 @@ def _raise_if_not_arrays(step: Any, call: Call, cause: Exception) -> None:
                 ) from cause
 
 
-_claim_lock = threading.Lock()
+# The handles being claimed, by `id`, each to the `Call.claim` of the call claiming it, for
+# as long as that call checks and marks them. `dict.setdefault` takes an entry atomically, so
+# two threads passing one handle never both claim it, with no lock: an interrupt can come at
+# any line, and a lock it left held would hang every later call of every step.
+_claiming: dict[int, tuple[int, Any]] = {}
 
 
-def _claim(step: Any, handles: list[LazyHandle]) -> list[LazyHandle]:
-    """Mark the handles whose buffers a launch may donate as consumed by this call, at once
-    and before it runs: another thread passing one of them gets the consumed error, not JAX's
-    "buffer deleted". A launch that fails, or does not donate, gives them back."""
-    call = step._diag.stats.calls
-    with _claim_lock:
-        for h in handles:
-            LazyHandle._af_check(h)
-        for h in handles:
-            object.__setattr__(h, "_af_consumed_by", call)
-            object.__setattr__(h, "_af_consumer", step._origin)
-    return handles
+def _claim(step: Any, call: Call) -> None:
+    """Mark the handles whose buffers a launch may donate as consumed by this call, before it
+    runs: another thread passing one of them gets the consumed error, not JAX's "buffer
+    deleted". A launch that fails, or does not donate, gives them back (`_unclaim`, from
+    `call.claimed`, which lists a handle before it is marked).
+
+    First every handle is taken (`_claiming`) and checked, then marked, then let go: an
+    interrupt at any point leaves only what `_failed` undoes."""
+    token = call.claim = (step._diag.stats.calls, step._origin)
+    handles = call.donated
+    for h in handles:
+        owner = _claiming.setdefault(id(h), token)
+        if owner is not token:  # another thread's call is claiming it now
+            raise error(
+                ConsumedError,
+                CONSUMED,
+                owner[1],
+                param=object.__getattribute__(h, "_af_param"),
+                call=owner[0],
+            )
+        LazyHandle._af_check(h)
+    claimed = call.claimed
+    for h in handles:
+        claimed.append(h)
+        object.__setattr__(h, "_af_consumer", token[1])
+        object.__setattr__(h, "_af_consumed_by", token[0])
+    _release(call)
+
+
+def _unclaim(call: Call) -> None:
+    """Give back the handles this call marked consumed (its program did not run)."""
+    for h in call.claimed:
+        object.__setattr__(h, "_af_consumed_by", 0)
+    call.claimed.clear()
+
+
+def _release(call: Call) -> None:
+    """Let go of the entries of `_claiming` this call holds."""
+    token = getattr(call, "claim", None)
+    if token is None:
+        return
+    for h in call.donated:
+        if _claiming.get(id(h)) is token:
+            _claiming.pop(id(h), None)
 
 
 def checks_nans() -> bool:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from .._handles.lazy import _UNBUILT, LazyHandle, new_handle
 from .._handles.nnx import take_graph_cache
-from .call import finish, prepare
+from .call import finish, hand_over, prepare
 from .launch import launch, runner
 
 HOST_SHARE_TARGET = 0.05
@@ -276,8 +276,7 @@ def _call_and_chain(
     t1 = time.perf_counter()
     state_out, outputs = launch(step, call)
     t2 = time.perf_counter()
-    result = finish(step, call, state_out, outputs)
-    step._in_flight = None
+    result = hand_over(call, finish(step, call, state_out, outputs))
     if clock is not None:
         clock[:] = [(t1 - t0) + (time.perf_counter() - t2), t2 - t1]
     return _chained(program, bound, result), result

@@ -7,16 +7,24 @@ the structures, placements and layouts of the state, the broadcast structures, t
 arguments. It is interned by `SpecCache` and is the static argument of the step's single
 `jax.jit` of `_entry.entry`, so JAX's own cache gives one compile per distinct (spec, input
 shapes).
+
+A method step's instance that is a plain object (not a pytree) is part of its specs' keys as
+`jax.jit` takes a static argument, but held weakly (`_Instance`): JAX's caches keep the specs
+they traced for as long as the step lives, and a spec must not keep an instance (and the
+arrays it holds) alive. When the instance is freed its specs leave the cache; the attribute
+values the body reads (`_Attribute`) are held weakly too.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
+from .. import _caches
 from .._analysis.analysis import Analysis
 from .._codegen import loading as _loading
 from .._codegen.generate import GeneratedCode, generate
@@ -46,6 +54,7 @@ class Program:
         "written_back_idx",
         "instance_idx",
         "instance_attrs",
+        "instance_pos",
         "static_names",
         "__weakref__",
     )
@@ -75,6 +84,10 @@ class Program:
         # static key, so a changed attribute recompiles instead of being frozen.
         self.instance_idx = idx[instance] if instance is not None else -1
         self.instance_attrs = instance_attrs if instance is not None else ()
+        # Where the instance is among the broadcast arguments (-1: not broadcast, or none).
+        self.instance_pos = (
+            self.bcast_idx.index(self.instance_idx) if self.instance_idx in self.bcast_idx else -1
+        )
         self.static_names = roles.of("static") + tuple(f"{instance}.{a}" for a in instance_attrs)
 
     def result(self, handles: list[Any], outputs: Any) -> Any:
@@ -236,16 +249,32 @@ class CallSpec:
 
 class SpecCache:
     """A step's interned `CallSpec`s, keyed by their parts (structures are interned, so the
-    key compares by identity except for static arguments, which compare by value)."""
+    key compares by identity except for static arguments, which compare by value).
+
+    A method step's plain-object instance is in the key as an `_Instance`, which holds it
+    weakly: when it is freed, its specs are dropped (`_freed`). JAX's cache still holds their
+    compiled programs, with the arrays the body read from the instance as constants; the next
+    compile that finds no spec left (a loop making a new instance each time) starts the step's
+    `jax.jit`s afresh (`renew`), which costs no compile, and lets those go too."""
 
     def __init__(
-        self, analysis: Analysis, num_steps: int, unroll: int | bool, pack: PackMode
+        self,
+        analysis: Analysis,
+        num_steps: int,
+        unroll: int | bool,
+        pack: PackMode,
+        renew: Callable[[], None] | None = None,
     ) -> None:
         self._analysis = analysis
         self._num_steps = num_steps
         self._unroll = unroll
         self._pack = pack
+        self._renew = renew
         self._specs: dict[Any, CallSpec] = {}
+        # Plain-object instances by id, and the keys of each one's specs (`_instance`).
+        self._instances: dict[int, _Instance] = {}
+        self._owned: dict[int, list[Any]] = {}
+        self._stale = False  # JAX's cache holds programs of instances since freed
 
     def get(
         self,
@@ -257,12 +286,23 @@ class SpecCache:
         bcast_structures: list[Structure],
         static: tuple[Any, ...],
     ) -> CallSpec:
+        j = program.instance_pos
+        instance = None
+        if j >= 0 and bcast_structures[j].root_type is None:
+            s = bcast_structures[j]
+            if s.n_arrays == 0:  # a plain object (a static leaf): held weakly, by identity
+                instance = self._instance(s)
+                bcast_structures = [*bcast_structures]
+                bcast_structures[j] = instance.structure
         key = (program, *structures, *placements, *layouts, links, *bcast_structures, *static)
         try:
             spec = self._specs.get(key)
         except TypeError:
             raise self._unhashable(program, static) from None
         if spec is None:
+            if self._stale and not self._specs and self._renew is not None:
+                self._stale = False
+                self._renew()
             spec = self._specs[key] = CallSpec(
                 program,
                 tuple(structures),
@@ -276,7 +316,27 @@ class SpecCache:
                 self._pack,
                 self._analysis,
             )
+            if instance is not None:
+                self._owned.setdefault(instance.oid, []).append(key)
         return spec
+
+    def _instance(self, structure: Structure) -> _Instance:
+        """The `_Instance` of the object that `structure` (a single static leaf) holds."""
+        obj = structure.static_leaves[0]
+        instance = self._instances.get(id(obj))
+        if instance is None or instance.ref() is not obj:
+            self._owned.pop(id(obj), None)
+            free = functools.partial(_freed, weakref.ref(self), id(obj))
+            instance = self._instances[id(obj)] = _Instance(obj, structure, free)
+        return instance
+
+    def free(self, oid: int) -> None:
+        """Forget the specs of the instance that had id `oid`, now freed."""
+        self._instances.pop(oid, None)
+        for key in self._owned.pop(oid, ()):
+            spec = self._specs.pop(key, None)
+            if spec is not None and spec.keeps_inputs is not None:  # it was traced
+                self._stale = True
 
     def _unhashable(self, program: Program, static: tuple[Any, ...]) -> Exception:
         for p, v in zip(program.static_names, static, strict=True):
@@ -290,46 +350,136 @@ class SpecCache:
 
     def clear(self) -> None:
         self._specs.clear()
+        self._instances.clear()
+        self._owned.clear()
+        self._stale = False
+
+
+def _freed(cache: weakref.ref[SpecCache], oid: int, ref: Any) -> None:
+    """The weak reference callback of an `_Instance` (run when its object is freed)."""
+    specs = cache()
+    if specs is not None:
+        specs.free(oid)
+
+
+class _Instance:
+    """A method step's plain-object instance, as part of its specs' keys: compared by
+    identity and held weakly, as is `structure`, the instance's structure as its specs hold
+    it (`_WeakLeaf`). An object that takes no weak references is held (as `jax.jit` holds a
+    static argument)."""
+
+    __slots__ = ("ref", "oid", "structure")
+
+    def __init__(self, obj: Any, structure: Structure, free: Callable[[Any], None]) -> None:
+        ref: Callable[[], Any]
+        try:
+            ref = weakref.ref(obj, free)
+        except TypeError:
+            ref = functools.partial(_same, obj)
+        self.ref = ref
+        self.oid = id(obj)
+        self.structure = _WeakLeaf(structure, ref)
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+class _WeakLeaf(Structure):
+    """The structure of a plain-object instance (one static leaf) that holds it weakly: a
+    spec keeps it while JAX's caches keep the spec, and a spec is only traced while its
+    instance is alive (the call passing it holds it)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, structure: Structure, ref: Callable[[], Any]) -> None:
+        super().__init__(structure.treedef, (), (), None)
+        self._immutable = True
+        self._ref = ref
+
+    def _leaf(self) -> Any:
+        obj = self._ref()
+        assert obj is not None, "a method step's instance was freed while a call used it"
+        return obj
+
+    def unflatten(self, arrays: Sequence[Any]) -> Any:
+        return self._leaf()
+
+    def all_leaves(self, arrays: Sequence[Any]) -> list[Any]:
+        return [self._leaf()]
+
+    def __repr__(self) -> str:
+        obj = self._ref()
+        return "Structure(<freed>)" if obj is None else f"Structure(<{type(obj).__name__}>)"
 
 
 _MISSING = object()
+_FREED = object()  # an attribute value held weakly, since freed
 _plain: dict[type, bool] = {}
 
 
 class _Attribute:
     """An attribute value of a method's plain-object instance, as part of a call's static key:
-    equal by type and value when hashable, else by identity (an array, a model)."""
+    equal by type and value when hashable, else by identity (an array, a model). Held weakly
+    where it takes weak references (a function or a model may refer back to the instance):
+    one since freed equals nothing."""
 
-    __slots__ = ("value", "_key")
+    __slots__ = ("_ref", "_value", "_identity", "_hash")
 
     def __init__(self, value: Any) -> None:
-        self.value = value
-        key: Any
-        if is_array(value):
-            key = id(value)
-        else:
+        identity = is_array(value)
+        h = id(value)
+        if not identity:
             try:
-                key = (type(value), hash(value), value)
+                h = hash((type(value), value))
             except TypeError:
-                key = id(value)
-        self._key = key
+                identity = True
+        self._identity = identity
+        self._hash = h
+        try:
+            self._ref: weakref.ref[Any] | None = weakref.ref(value)
+            self._value = None
+        except TypeError:
+            self._ref = None
+            self._value = value
+
+    @property
+    def value(self) -> Any:
+        if self._ref is None:
+            return self._value
+        value = self._ref()
+        return _FREED if value is None else value
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Attribute):
+        if not isinstance(other, _Attribute) or (self._hash, self._identity) != (
+            other._hash,
+            other._identity,
+        ):
             return False
-        if isinstance(self._key, int):
-            return other.value is self.value
-        return self._key == other._key
+        a, b = self.value, other.value
+        if a is _FREED or b is _FREED:
+            return False
+        if a is b:
+            return True
+        if self._identity or type(a) is not type(b):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # an `==` that does not give a truth value: not the same
+            return False
 
     def __repr__(self) -> str:
-        if self.value is _MISSING:
+        value = self.value
+        if value is _MISSING:
             return "<unset>"
-        if is_array(self.value):
-            return f"a new {self.value.dtype}{list(self.value.shape)} array"
-        return repr(self.value)
+        if value is _FREED:
+            return "<freed>"
+        if is_array(value):
+            return f"a new {value.dtype}{list(value.shape)} array"
+        return repr(value)
 
 
 def instance_attributes(program: Program, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -346,3 +496,8 @@ def instance_attributes(program: Program, args: tuple[Any, ...]) -> tuple[Any, .
         return (None,) * len(program.instance_attrs)
     d = obj.__dict__
     return tuple(_Attribute(d.get(a, _MISSING)) for a in program.instance_attrs)
+
+
+@_caches.register
+def _clear_plain() -> None:
+    _plain.clear()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import AOT_MISMATCH, CallError, error
-from .call import Call, finish, prepare
+from .call import Call, finish, hand_over, prepare
 from .launch import launch
 
 
@@ -80,10 +80,7 @@ class Compiled:
         step.stats.calls += 1
         step._in_flight = call
         state_out, outputs = launch(step, call, self.jax, self._donating)
-        result = finish(step, call, state_out, outputs)
-        if step._in_flight is call:
-            step._in_flight = None
-        return result
+        return hand_over(call, finish(step, call, state_out, outputs))
 
     def cost_analysis(self) -> Any:
         return self.jax.cost_analysis()

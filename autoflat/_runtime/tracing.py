@@ -21,26 +21,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax
-from .._errors import BAD_SCAN_LENGTH, STRUCTURE_CHANGED, ShapeError, error
+from .._errors import (
+    BAD_SCAN_LENGTH,
+    STRUCTURE_BROADCAST,
+    STRUCTURE_BROADCAST_LONGER,
+    STRUCTURE_BROADCAST_SHORTER,
+    STRUCTURE_CHANGED,
+    STRUCTURE_FIXED,
+    STRUCTURE_SCALAR,
+    ShapeError,
+    error,
+)
 from .._handles import nnx as _nnx
 from .._handles.lazy import LazyHandle
 from .._transport import structure as _structure
 from .._transport.structure import FlatState, flatten
 
 # Per thread, a stack of scopes, one per traced call (`linking`): the Variables of Flax NNX
-# state that later state imports (`_nnx.Link`), by state position.
+# state that later state imports (`_nnx.Link`), by state position; and the call's broadcast
+# arguments, which a structure error may name (`_read_as_broadcast`).
 _scopes = threading.local()
 
 
 @contextlib.contextmanager
-def linking() -> Iterator[None]:
-    """The scope in which one traced call's state arguments share Flax NNX Variables."""
+def linking(broadcast: tuple[FlatState, ...] = ()) -> Iterator[None]:
+    """The scope in which one traced call's state arguments share Flax NNX Variables, and in
+    which its `broadcast` arguments are known."""
     stack = _scopes.__dict__.setdefault("stack", [])
+    bcast = _scopes.__dict__.setdefault("broadcast", [])
     stack.append({})
+    bcast.append(broadcast)
     try:
         yield
     finally:
         stack.pop()  # no tracer outlives its trace here
+        bcast.pop()
 
 
 def _unflatten(flat: FlatState) -> Any:
@@ -97,6 +112,9 @@ def _scan(
 
 def _changed(spec: Any, index: int, old: Any, old_arrays: Any, new: Any, new_arrays: Any) -> None:
     param = spec.program.roles.state[index]
+    advice = _read_as_broadcast(spec, old_arrays, new_arrays)
+    if advice is None:
+        advice = STRUCTURE_SCALAR if _structure.static_changed(old, new) else STRUCTURE_FIXED
     raise error(
         ShapeError,
         STRUCTURE_CHANGED,
@@ -104,7 +122,40 @@ def _changed(spec: Any, index: int, old: Any, old_arrays: Any, new: Any, new_arr
         param=param,
         diff=_structure.describe_difference(param, old, old_arrays, new, new_arrays),
         num_steps=spec.num_steps,
+        advice=advice,
     )
+
+
+def _read_as_broadcast(spec: Any, old_arrays: Any, new_arrays: Any) -> str | None:
+    """Where the state's new shapes hold the leading axis of an argument read as broadcast by
+    its shape (rule `no-leading-axis`: a leading axis other than num_steps), the advice that
+    names it; else None."""
+    scopes = _scopes.__dict__.get("broadcast")
+    if not scopes or old_arrays is None:
+        return None
+    dims = {
+        d
+        for a, b in zip(old_arrays, new_arrays, strict=True)
+        if tuple(np.shape(a)) != tuple(np.shape(b))
+        for d in np.shape(b)
+    }
+    roles = spec.program.roles
+    by_shape = {
+        p: rule == "no-leading-axis"
+        for p, role, rule in zip(roles.params, roles.roles, roles.rules, strict=True)
+        if role == "broadcast"
+    }
+    k = spec.num_steps
+    for p, flat in zip(roles.of("broadcast"), scopes[-1], strict=False):
+        axes = {np.shape(a)[0] for a in flat.arrays if np.ndim(a)}
+        if not by_shape[p] or len(axes) != 1:
+            continue
+        axis = axes.pop()
+        if axis != k and axis in dims:
+            fix = STRUCTURE_BROADCAST_LONGER if axis > k else STRUCTURE_BROADCAST_SHORTER
+            fields = {"arg": p, "axis": axis, "num_steps": k}
+            return STRUCTURE_BROADCAST.format(fix=fix.format(**fields), **fields)
+    return None
 
 
 def _input_name(names: tuple[str, ...], path: tuple[Any, ...]) -> str:

@@ -339,7 +339,9 @@ def unpack(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
 def weakened(layout: Layout, arrays: list[Any]) -> list[Any]:
     """The leaves with the weak types `layout.weak` gives them (traceable)."""
     if any(layout.weak):
-        arrays = [_jax.weakly_typed(x) if w else x for x, w in zip(arrays, layout.weak, strict=True)]
+        arrays = [
+            _jax.weakly_typed(x) if w else x for x, w in zip(arrays, layout.weak, strict=True)
+        ]
     return arrays
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,7 @@ class Structure:
         "_immutable",
         "key",
         "root_type",
+        "__weakref__",
     )
 
     treedef: Any
@@ -133,7 +135,9 @@ def _treedef_immutable(treedef: Any) -> bool:
 
 
 _lock = threading.Lock()
-_interned: dict[Any, Structure] = {}
+# Held weakly: a structure lives as long as something holds it (a spec, a handle), so one whose
+# static leaves are objects (a method step's instance) does not keep them alive.
+_interned: weakref.WeakValueDictionary[Any, Structure] = weakref.WeakValueDictionary()
 
 
 def intern(treedef: Any, leaves: Sequence[Any]) -> tuple[Structure, list[Any]]:
@@ -302,6 +306,19 @@ def describe_difference(
         elif _static_key(b) != _static_key(a):
             lines.append(f"  {name}{path}: {b!r} became {a!r}")
     return "\n".join(lines[:10]) or "  (no difference found in structure, shapes or dtypes)"
+
+
+def static_changed(before: Structure, after: Structure) -> bool:
+    """Whether a non-array leaf (a Python number, a string) changed, or took an array's place
+    or gave its place to one, from `before` to `after`, the tree itself the same."""
+    if before.treedef != after.treedef:
+        return False
+    b_arrays, a_arrays = set(before.array_positions), set(after.array_positions)
+    return any(
+        (i in b_arrays) != (i in a_arrays)
+        or (i not in b_arrays and _static_key(b) != _static_key(a))
+        for i, (b, a) in enumerate(zip(before.static_leaves, after.static_leaves, strict=True))
+    )
 
 
 class _AnyArray:

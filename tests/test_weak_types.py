@@ -1,0 +1,323 @@
+"""Weak types: the step sees the abstract values `jax.jit` gives it, weak types included.
+
+A leaf made from a Python number is weakly typed: `jnp.asarray(0)`, a `jax.jit` output of `0`
+(gymnax's and PureJaxRL's `LogWrapper.reset` starts its episode counters so), a Python number
+in the state that autoflat makes an array. `jax.jit` traces it weakly typed, and a `lax.scan`
+over it (the step's own scan over environment steps) promotes such a carry to the type the
+body gives back. autoflat keeps weak types wherever the state travels (one buffer per leaf,
+or packed: the layout says which leaves are weakly typed) and compiles as often as `jax.jit`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import struct
+from helpers import tree_allclose
+
+import autoflat
+from autoflat import _jax
+from autoflat._transport import layout as _transport
+
+# -- a gymnax-style environment and PureJaxRL's LogWrapper ------------------------------------
+
+
+@struct.dataclass
+class EnvState:
+    pos: jax.Array
+    time: jax.Array
+
+
+class PointEnv:
+    """A point on a line, pushed by the action; reward -|pos|; episodes of 5 steps, reset
+    automatically (as gymnax's `Environment.step` does)."""
+
+    def reset(self, key, params=None):
+        pos = jax.random.uniform(key, (), minval=-1.0, maxval=1.0)
+        state = EnvState(pos=pos, time=0)
+        return jnp.stack([pos, 1.0]), state
+
+    def step(self, key, state, action, params=None):
+        pos = state.pos + 0.1 * action
+        time = state.time + 1
+        done = time >= 5
+        reward = -jnp.abs(pos)
+        obs_re, state_re = self.reset(key, params)
+        stepped = EnvState(pos=pos, time=time)
+        state = jax.tree.map(lambda x, y: jax.lax.select(done, x, y), state_re, stepped)
+        obs = jax.lax.select(done, obs_re, jnp.stack([pos, 1.0]))
+        return obs, state, reward, done, {}
+
+
+# PureJaxRL's LogWrapper, as luchris429/purejaxrl writes it (purejaxrl/wrappers.py at commit
+# 146b4856d593bcb4114b9c9fdb45798034696551, Apache-2.0); `reset` starts the counters as
+# Python numbers, which its `jax.jit` returns weakly typed, and `step` makes some float32.
+@struct.dataclass
+class LogEnvState:
+    env_state: Any
+    episode_returns: float
+    episode_lengths: int
+    returned_episode_returns: float
+    returned_episode_lengths: int
+    timestep: int
+
+
+class LogWrapper:
+    """Log the episode returns and lengths."""
+
+    def __init__(self, env):
+        self._env = env
+
+    @partial(jax.jit, static_argnums=(0,))
+    def reset(self, key, params=None):
+        obs, env_state = self._env.reset(key, params)
+        state = LogEnvState(env_state, 0, 0, 0, 0, 0)
+        return obs, state
+
+    @partial(jax.jit, static_argnums=(0,))
+    def step(self, key, state, action, params=None):
+        obs, env_state, reward, done, info = self._env.step(key, state.env_state, action, params)
+        new_episode_return = state.episode_returns + reward
+        new_episode_length = state.episode_lengths + 1
+        state = LogEnvState(
+            env_state=env_state,
+            episode_returns=new_episode_return * (1 - done),
+            episode_lengths=new_episode_length * (1 - done),
+            returned_episode_returns=state.returned_episode_returns * (1 - done)
+            + new_episode_return * done,
+            returned_episode_lengths=state.returned_episode_lengths * (1 - done)
+            + new_episode_length * done,
+            timestep=state.timestep + 1,
+        )
+        info["returned_episode_returns"] = state.returned_episode_returns
+        info["returned_episode_lengths"] = state.returned_episode_lengths
+        info["timestep"] = state.timestep
+        info["returned_episode"] = done
+        return obs, state, reward, done, info
+
+
+NUM_ENVS = 4
+ENV_STEPS = 8
+env = LogWrapper(PointEnv())
+tx = optax.adam(1e-2)
+
+
+def update_step(runner_state):
+    """PureJaxRL's `_update_step` in small: a `lax.scan` over environment steps collects a
+    trajectory, then one gradient step on it (REINFORCE on a linear Gaussian policy). The
+    environments are vectorized (`jax.vmap`) when the observations are."""
+
+    def _env_step(runner_state, unused):
+        params, opt_state, env_state, last_obs, rng = runner_state
+        rng, _rng = jax.random.split(rng)
+        noise = jax.random.normal(_rng, last_obs.shape[:-1])
+        action = last_obs @ params["w"] + noise
+        rng, _rng = jax.random.split(rng)
+        if last_obs.ndim == 2:
+            rng_step = jax.random.split(_rng, last_obs.shape[0])
+            obsv, env_state, reward, done, info = jax.vmap(env.step)(rng_step, env_state, action)
+        else:
+            obsv, env_state, reward, done, info = env.step(_rng, env_state, action)
+        runner_state = (params, opt_state, env_state, obsv, rng)
+        return runner_state, (last_obs, noise, reward, info["returned_episode_returns"])
+
+    runner_state, (obs, noise, reward, returned) = jax.lax.scan(
+        _env_step, runner_state, None, ENV_STEPS
+    )
+    params, opt_state, env_state, last_obs, rng = runner_state
+
+    def loss_fn(params):
+        mean = obs @ params["w"]
+        logp = -0.5 * (mean + noise - jax.lax.stop_gradient(mean)) ** 2
+        return -jnp.mean(logp * reward)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    runner_state = (params, opt_state, env_state, last_obs, rng)
+    return runner_state, (loss, returned.mean())
+
+
+def _runner_state(jitted_reset: bool) -> Any:
+    """PureJaxRL's runner state after `reset`: vectorized environments from the jitted
+    `reset` (counters weakly typed int32 arrays), or one environment from `reset` run outside
+    any jit (counters Python numbers, which `jax.jit` traces, and autoflat passes, weakly
+    typed)."""
+    if jitted_reset:
+        keys = jax.random.split(jax.random.key(0), NUM_ENVS)
+        obsv, env_state = jax.vmap(env.reset)(keys)
+    else:
+        obsv, env_state = env.reset.__wrapped__(env, jax.random.key(0))
+        assert env_state.episode_returns == 0 and type(env_state.timestep) is int
+    params = {"w": jnp.zeros((2,), jnp.float32)}
+    return (params, tx.init(params), env_state, obsv, jax.random.key(1))
+
+
+def _counted(fn: Any, traces: list[int]) -> Any:
+    """`fn`, counting its traces (a `jax.jit` of it compiles once per trace)."""
+
+    def counted(*args: Any) -> Any:
+        traces.append(1)
+        return fn(*args)
+
+    return counted
+
+
+def _weak(tree: Any) -> list[Any]:
+    return [(x.dtype, _jax.weak_type(x)) for x in jax.tree.leaves(autoflat.unwrap(tree))]
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("jitted_reset", [True, False])
+def test_rl_state_with_weakly_typed_counters_at_one_step_a_call(pack, jitted_reset):
+    start = _runner_state(jitted_reset)
+    if jitted_reset:
+        assert _jax.weak_type(start[2].episode_returns)  # as gymnax + LogWrapper hand it over
+    ref_traces: list[int] = []
+    ref = jax.jit(_counted(update_step, ref_traces))
+    step = autoflat.step(update_step, pack=pack)
+    r, a = start, start
+    for _ in range(3):
+        r, r_metric = ref(r)
+        a, a_metric = step(a)
+        tree_allclose(a_metric, r_metric)
+    tree_allclose(a, r)
+    assert _weak(a) == _weak(r)
+    # as many compiles as jax.jit: the counters' types settle after the first call
+    assert step.stats.traces == len(ref_traces) == 2
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("jitted_reset", [True, False])
+def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_reset):
+    k = 4
+    start = _runner_state(jitted_reset)
+    step = autoflat.step(update_step, num_steps=k, pack=pack)
+
+    scanned_traces: list[int] = []
+
+    @jax.jit
+    def scanned(runner_state):  # the k-step loop written by hand
+        scanned_traces.append(1)
+        return jax.lax.scan(lambda c, _: update_step(c), runner_state, None, k)
+
+    plain = jax.jit(update_step)
+    a, s, p = start, start, start
+    for _ in range(2):
+        a, a_metrics = step(a)
+        s, s_metrics = scanned(s)
+        for _ in range(k):
+            p, p_metric = plain(p)
+        tree_allclose(a_metrics, s_metrics)
+    tree_allclose(a, s)
+    tree_allclose(a, p)
+    tree_allclose(a_metrics[0][-1], p_metric[0])
+    assert _weak(a) == _weak(s)
+    # the num_steps scan promotes the weakly typed counters, as lax.scan does: its second
+    # call sees them float32, as the hand-written scan's does
+    assert step.stats.traces == len(scanned_traces) == 2
+
+
+# -- what the step sees -----------------------------------------------------------------------
+
+
+def _state() -> dict[str, Any]:
+    """Leaves that stay weakly typed, that become strongly typed, and strongly typed ones,
+    enough of each dtype to be packed."""
+    return {
+        "count": jnp.asarray(0),  # weak int32, stays weak (count + 1)
+        "scale": jnp.asarray(2.0),  # weak float32, stays weak (scale * 0.5)
+        "ema": [jnp.full((3,), 1.0) for _ in range(3)],  # weak, made strong by the step
+        "w": [jnp.ones((3,), jnp.float32) for _ in range(3)],
+        "steps": jnp.zeros((), jnp.int32),
+    }
+
+
+def _recording(seen: list[Any]):
+    def step(state, x):
+        seen.append(_weak(state))
+        state = {
+            "count": state["count"] + 1,
+            "scale": state["scale"] * 0.5,
+            "ema": [e * 0.9 + 0.1 * x.astype(jnp.float32) for e in state["ema"]],
+            "w": [w - 0.1 * (state["scale"] * x).astype(jnp.float32) for w in state["w"]],
+            "steps": state["steps"] + 1,
+        }
+        # weak float32 * bfloat16 is bfloat16 (strong float32 * bfloat16 would be float32)
+        return state, state["scale"] * x
+
+    return step
+
+
+@pytest.mark.parametrize("pack", [False, True, "auto"])
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_step_sees_weak_types_as_under_jax_jit_on_every_call(pack, donate):
+    x = jnp.ones((3,), jnp.bfloat16)
+    seen_ref: list[Any] = []
+    seen: list[Any] = []
+    ref = jax.jit(_recording(seen_ref))
+    step = autoflat.step(_recording(seen), pack=pack, donate=donate)
+    start = _state()
+    r, a = start, start
+    for _ in range(3):
+        r, r_out = ref(r, x)
+        a, a_out = step(a, x)
+        assert a_out.dtype == r_out.dtype == jnp.bfloat16
+        tree_allclose(a_out, r_out)
+    assert seen == seen_ref  # each trace saw what jax.jit's did: two, as types settle
+    tree_allclose(a, r)
+    assert _weak(a) == _weak(r)
+    assert step.stats.traces == ref._cache_size() == 2
+    assert _jax.weak_type(start["count"])  # the caller's arrays are left as they were
+
+
+def test_a_weakly_typed_leaf_that_stays_weak_compiles_once():
+    # PAX's EMA starts `debias = jnp.array(0.0)` and sets `jnp.array(1.0)`: weakly typed in
+    # and out, one compile (as under jax.jit), packed or not, at one step a call or four
+    def update(ema, x):
+        debias = jnp.array(1.0)
+        averages = [jnp.where(ema["debias"] > 0, a, x) * 0.9 + 0.1 * x for a in ema["averages"]]
+        return {"averages": averages, "debias": debias}
+
+    for pack in (False, True):
+        for k in (1, 4):
+            ema = {"averages": [jnp.zeros(2) for _ in range(3)], "debias": jnp.array(0.0)}
+            step = autoflat.step(update, num_steps=k, pack=pack)
+            xs = jnp.ones((2,)) if k == 1 else jnp.ones((k, 2))
+            for _ in range(3):
+                ema = step(ema, xs)
+            assert _jax.weak_type(autoflat.unwrap(ema)["debias"])
+            assert step.stats.traces == 1, (pack, k)
+
+
+def test_a_packed_state_keeps_its_leaves_weak_types():
+    leaves = [jnp.asarray(1.0), jnp.ones(3), jnp.full((2,), 1.0), jnp.asarray(0)]
+    weak = [bool(_jax.weak_type(x)) for x in leaves]
+    assert weak == [True, False, True, True]
+    avals = [(x.shape, x.dtype) for x in leaves]
+    layout = _transport.layout_for(avals, [False] * 4, True, weak)
+    assert layout is not None and layout.weak == tuple(weak)
+    assert layout is not _transport.layout_for(avals, [False] * 4, True)  # a key of its own
+    for _ in range(_transport._HOST_CALLS + 1):  # the host copies, then the compiled pack
+        buffers = _transport.pack_on_device(layout, leaves)
+        assert not any(_jax.weak_type(b) for b in buffers)  # buffers are strongly typed
+        back = _transport.unpack_on_device(layout, buffers)
+        assert [bool(_jax.weak_type(x)) for x in back] == weak
+        for x, y in zip(back, leaves, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_jax_weakly_typed():
+    x = jnp.ones(3)
+    assert _jax.weakly_typed(x).weak_type and _jax.weakly_typed(x).dtype == jnp.float32
+    w = jnp.asarray(1.0)
+    assert _jax.weakly_typed(w) is w
+    seen = []
+    jax.jit(lambda y: seen.append(_jax.weak_type(_jax.weakly_typed(y))))(x)
+    assert seen == [True]
