@@ -65,6 +65,9 @@ class Case:
     # `lax.scan` of the step rounds otherwise than separate calls, and noise-driven leaves
     # amplify that as they do other fusions
     noisy_ks: tuple[int, ...] = ()
+    # Traces a step may take, by k, where upstream's own jit traces it more than once (weakly
+    # typed state that the first calls make strongly typed: autoflat follows `jax.jit`)
+    traces: dict[int, int] = dataclasses.field(default_factory=dict)
     slow_ks: tuple[int, ...] = ()  # marked slow (out of the default suite) at these k
     # Upstream's loop reads the returned state between calls (`params["param0"][0]` into a
     # history): the handle is rebuilt, so the next call flattens it again.
@@ -165,6 +168,11 @@ CASES: dict[str, Case] = {
         eqx.filter_jit,
         ignore=(_EQX_BATCHNORM_MODE,),
         group_by_k=True,
+        # The discriminator's Adam state holds weakly typed leaves at the start that its
+        # first calls give back strongly typed: upstream's eqx.filter_jit traces
+        # step_discriminator 3 times in this loop at one step a call, and autoflat as many
+        # (2 at k=4, where the first call covers more steps).
+        traces={1: 3, 4: 2},
         # 64x64 transposed convolutions, each k its own reference (the schedule follows k):
         # the longest tests of the suite, in the slow suite at both k. Its parts run in the
         # default suite elsewhere: Equinox BatchNorm state (eqx_stateful), a step taking
@@ -284,7 +292,7 @@ def test_corpus(name: str, k: int) -> None:
     _compare(case, _reference(name, k if case.group_by_k else 1), got, k)
     for step in steps:
         stats = autoflat.stats(step)
-        assert stats.traces == 1, (autoflat.show(step), stats)
+        assert stats.traces <= case.traces.get(k, 1), (autoflat.show(step), stats)
         # The fast path is kept: once warm, no state or broadcast tree is flattened again
         # (upstream's loops pass the returned state back), unless upstream's loop reads the
         # state between calls (a handle it rebuilt is flattened again: it may have changed).
