@@ -1,9 +1,10 @@
 """`Step`, the decorated step function: a thin facade over the stages.
 
 A `Step` reads and checks its options once, analyses the function (`_analysis`), makes its
-programs (`_program`), and holds the per-step caches. A call is `_call.prepare` → `_launch.launch`
-→ `_call.finish`; `lower`, `trace` and `eval_shape` prepare a call the same way and hand it to
-JAX's ahead-of-time stages instead of running it. `source` is the generated text that
+programs (`_runtime.program`), and holds the per-step caches. A call is
+`_runtime.call.prepare` → `_runtime.launch.launch` → `_runtime.finish.finish`; `lower`,
+`trace` and `eval_shape` prepare a call the same way and hand it to JAX's ahead-of-time
+stages instead of running it. `source` is the generated text that
 `autoflat.show` returns.
 """
 
@@ -38,9 +39,10 @@ from ._errors import (
 from ._handles.lazy import LazyHandle, Origin
 from ._handles.nnx import NnxState, take_graph_cache
 from ._roles.roles import Options
-from ._runtime.call import finish, hand_over, prepare
+from ._runtime.call import prepare
 from ._runtime.diagnostics import Diagnostics, Stats
 from ._runtime.entry import entry, jitted, landed, relinked
+from ._runtime.finish import finish, hand_over
 from ._runtime.launch import check_pending, launch, note_recoverable, runner
 from ._runtime.program import Program, Programs, SpecCache
 from ._runtime.stages import Lowered, Traced

@@ -121,7 +121,7 @@ def clear() -> None:
 
 def write_back(target: Any, new: Any, param: str, analysis: Analysis) -> None:
     """Make the caller's object `target` show the new value of state `param` (`new`: a
-    handle, or the value itself where it holds no arrays, see `_call.new_handles`)."""
+    handle, or the value itself where it holds no arrays, see `_runtime.finish.new_handles`)."""
     if type(new) is not LazyHandle:
         _assign_into(target, new, param, "", analysis)
         return

@@ -129,7 +129,7 @@ def option_or_self(ctx: Context, p: str) -> Evidence | None:
 
 def _what_selects(ctx: Context, p: str) -> str:
     """What of a method's instance selects a compiled version, as the runtime keys it
-    (`_runtime.program.instance_attributes`): for a plain object, the attributes the body
+    (`_runtime.instance.instance_attributes`): for a plain object, the attributes the body
     reads that the instance holds itself; class attributes and methods are read when traced
     and not watched. A pytree instance's arrays are inputs; its structure (static fields)
     selects the version. Nothing before the first call, which settles it."""

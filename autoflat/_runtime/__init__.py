@@ -1,10 +1,11 @@
 """The call runtime: a call of a decorated step, from its arguments to its results.
 
-Owns programs and the spec cache (`program`), the helpers generated code calls inside the
-trace (`tracing`), the traced entry and the `jax.jit`s (`entry`), the call path before and
-after the launch (`call`: bind, take in state, finish), the launch itself (`launch`: donation,
-interrupts, errors pointed at the user's code), the ahead-of-time stages (`stages`) and the
-counters and recompile warning (`diagnostics`).
+Owns programs and the spec cache (`program`), a method instance's part of a spec's key
+(`instance`), the helpers generated code calls inside the trace (`tracing`), the traced entry
+and the `jax.jit`s (`entry`), the call path before the launch (`call`: bind, take in state) and
+after it (`finish`), the launch itself (`launch`: donation, interrupts, errors pointed at the
+user's code), the ahead-of-time stages (`stages`), the counters and recompile warning
+(`diagnostics`) and `autoflat.profile` (`profile`).
 
 Takes in: a step's `Analysis`, options and a call's arguments.
 Hands on: results (handles for state, stacked per-step outputs) to the facade (`_step.Step`).

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 
 from .._handles.lazy import _UNBUILT, LazyHandle, new_handle
 from .._handles.nnx import take_graph_cache
-from .call import finish, hand_over, prepare
+from .call import prepare
+from .finish import finish, hand_over
 from .launch import launch, runner
 
 HOST_SHARE_TARGET = 0.05

@@ -1,4 +1,4 @@
-"""Programs, call specs and the spec cache, and the static key of a method's instance.
+"""Programs, call specs and the spec cache.
 
 A `Program` is one generated, loaded function for one set of roles (`Programs` keeps a step's
 programs: the one from the source and options, and one per set of Flax NNX modules that a
@@ -8,23 +8,17 @@ arguments. It is interned by `SpecCache` and is the static argument of the step'
 `jax.jit` of `_entry.entry`, so JAX's own cache gives one compile per distinct (spec, input
 shapes).
 
-A method step's instance that is a plain object (not a pytree) is part of its specs' keys as
-`jax.jit` takes a static argument, but held weakly (`_Instance`): JAX's caches keep the specs
-they traced for as long as the step lives, and a spec must not keep an instance (and the
-arrays it holds) alive. When the instance is freed its specs leave the cache; the attribute
-values the body reads (`_Attribute`) are held weakly too.
+A method step's instance that is a plain object (not a pytree) is part of its specs' keys,
+held weakly (`instance.Instance`); when it is freed, its specs leave the cache (`_freed`).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
-
-from .. import _caches
 from .._analysis.analysis import Analysis
 from .._codegen import loading as _loading
 from .._codegen.generate import GeneratedCode, generate
@@ -34,7 +28,8 @@ from .._handles.nnx import Link
 from .._roles.infer import arg_kinds, infer
 from .._roles.roles import Options, Roles, assign_roles
 from .._transport.layout import Layout, PackMode
-from .._transport.structure import Placement, Structure, is_array
+from .._transport.structure import Placement, Structure
+from .instance import Instance
 from .tracing import HELPERS
 
 
@@ -251,7 +246,7 @@ class SpecCache:
     """A step's interned `CallSpec`s, keyed by their parts (structures are interned, so the
     key compares by identity except for static arguments, which compare by value).
 
-    A method step's plain-object instance is in the key as an `_Instance`, which holds it
+    A method step's plain-object instance is in the key as an `Instance`, which holds it
     weakly: when it is freed, its specs are dropped (`_freed`). JAX's cache still holds their
     compiled programs, with the arrays the body read from the instance as constants; the next
     compile that finds no spec left (a loop making a new instance each time) starts the step's
@@ -272,7 +267,7 @@ class SpecCache:
         self._renew = renew
         self._specs: dict[Any, CallSpec] = {}
         # Plain-object instances by id, and the keys of each one's specs (`_instance`).
-        self._instances: dict[int, _Instance] = {}
+        self._instances: dict[int, Instance] = {}
         self._owned: dict[int, list[Any]] = {}
         self._stale = False  # JAX's cache holds programs of instances since freed
 
@@ -320,14 +315,14 @@ class SpecCache:
                 self._owned.setdefault(instance.oid, []).append(key)
         return spec
 
-    def _instance(self, structure: Structure) -> _Instance:
-        """The `_Instance` of the object that `structure` (a single static leaf) holds."""
+    def _instance(self, structure: Structure) -> Instance:
+        """The `Instance` of the object that `structure` (a single static leaf) holds."""
         obj = structure.static_leaves[0]
         instance = self._instances.get(id(obj))
         if instance is None or instance.ref() is not obj:
             self._owned.pop(id(obj), None)
             free = functools.partial(_freed, weakref.ref(self), id(obj))
-            instance = self._instances[id(obj)] = _Instance(obj, structure, free)
+            instance = self._instances[id(obj)] = Instance(obj, structure, free)
         return instance
 
     def free(self, oid: int) -> None:
@@ -356,148 +351,7 @@ class SpecCache:
 
 
 def _freed(cache: weakref.ref[SpecCache], oid: int, ref: Any) -> None:
-    """The weak reference callback of an `_Instance` (run when its object is freed)."""
+    """The weak reference callback of an `Instance` (run when its object is freed)."""
     specs = cache()
     if specs is not None:
         specs.free(oid)
-
-
-class _Instance:
-    """A method step's plain-object instance, as part of its specs' keys: compared by
-    identity and held weakly, as is `structure`, the instance's structure as its specs hold
-    it (`_WeakLeaf`). An object that takes no weak references is held (as `jax.jit` holds a
-    static argument)."""
-
-    __slots__ = ("ref", "oid", "structure")
-
-    def __init__(self, obj: Any, structure: Structure, free: Callable[[Any], None]) -> None:
-        ref: Callable[[], Any]
-        try:
-            ref = weakref.ref(obj, free)
-        except TypeError:
-            ref = functools.partial(_same, obj)
-        self.ref = ref
-        self.oid = id(obj)
-        self.structure = _WeakLeaf(structure, ref)
-
-
-def _same(obj: Any) -> Any:
-    return obj
-
-
-class _WeakLeaf(Structure):
-    """The structure of a plain-object instance (one static leaf) that holds it weakly: a
-    spec keeps it while JAX's caches keep the spec, and a spec is only traced while its
-    instance is alive (the call passing it holds it)."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, structure: Structure, ref: Callable[[], Any]) -> None:
-        super().__init__(structure.treedef, (), (), None)
-        self._immutable = True
-        self._ref = ref
-
-    def _leaf(self) -> Any:
-        obj = self._ref()
-        assert obj is not None, "a method step's instance was freed while a call used it"
-        return obj
-
-    def unflatten(self, arrays: Sequence[Any]) -> Any:
-        return self._leaf()
-
-    def all_leaves(self, arrays: Sequence[Any]) -> list[Any]:
-        return [self._leaf()]
-
-    def __repr__(self) -> str:
-        obj = self._ref()
-        return "Structure(<freed>)" if obj is None else f"Structure(<{type(obj).__name__}>)"
-
-
-_MISSING = object()
-_FREED = object()  # an attribute value held weakly, since freed
-_plain: dict[type, bool] = {}
-
-
-class _Attribute:
-    """An attribute value of a method's plain-object instance, as part of a call's static key:
-    equal by type and value when hashable, else by identity (an array, a model). Held weakly
-    where it takes weak references (a function or a model may refer back to the instance):
-    one since freed equals nothing."""
-
-    __slots__ = ("_ref", "_value", "_identity", "_hash")
-
-    def __init__(self, value: Any) -> None:
-        identity = is_array(value)
-        h = id(value)
-        if not identity:
-            try:
-                h = hash((type(value), value))
-            except TypeError:
-                identity = True
-        self._identity = identity
-        self._hash = h
-        try:
-            self._ref: weakref.ref[Any] | None = weakref.ref(value)
-            self._value = None
-        except TypeError:
-            self._ref = None
-            self._value = value
-
-    @property
-    def value(self) -> Any:
-        if self._ref is None:
-            return self._value
-        value = self._ref()
-        return _FREED if value is None else value
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Attribute) or (self._hash, self._identity) != (
-            other._hash,
-            other._identity,
-        ):
-            return False
-        a, b = self.value, other.value
-        if a is _FREED or b is _FREED:
-            return False
-        if a is b:
-            return True
-        if self._identity or type(a) is not type(b):
-            return False
-        try:
-            return bool(a == b)
-        except Exception:  # an `==` that does not give a truth value: not the same
-            return False
-
-    def __repr__(self) -> str:
-        value = self.value
-        if value is _MISSING:
-            return "<unset>"
-        if value is _FREED:
-            return "<freed>"
-        if is_array(value):
-            return f"a new {value.dtype}{list(value.shape)} array"
-        return repr(value)
-
-
-def instance_attributes(program: Program, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The static-key part of a method step's plain-object instance: the attributes its body
-    reads (nothing for a pytree instance, whose leaves are broadcast inputs)."""
-    obj = args[program.instance_idx]
-    t = type(obj)
-    plain = _plain.get(t)
-    if plain is None:
-        plain = _plain[t] = hasattr(obj, "__dict__") and jax.tree_util.treedef_is_leaf(
-            jax.tree_util.tree_structure(obj)
-        )
-    if not plain:
-        return (None,) * len(program.instance_attrs)
-    d = obj.__dict__
-    return tuple(_Attribute(d.get(a, _MISSING)) for a in program.instance_attrs)
-
-
-@_caches.register
-def _clear_plain() -> None:
-    _plain.clear()

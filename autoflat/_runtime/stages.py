@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import AOT_MISMATCH, CallError, error
-from .call import Call, finish, hand_over, prepare
+from .call import Call, prepare
+from .finish import finish, hand_over
 from .launch import launch
 
 
