@@ -298,6 +298,7 @@ def profile(fn: Step, *args: Any, calls: int = 20, **kwargs: Any) -> Profile:
     step_ = _as_step(fn, "profile")
     if isinstance(fn, functools.partial):
         args = (*fn.args, *args)
+    args, kwargs = step_._with_bound(args, kwargs)
     if not isinstance(calls, int) or calls < 1:
         raise ValueError(f"autoflat.profile: calls must be a positive int, got {calls!r}")
     return measure(step_, args, kwargs, calls)

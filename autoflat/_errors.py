@@ -111,10 +111,17 @@ autoflat rewrites the Python source of the step function, so it needs a function
         return model, opt_state, loss
 """
 
-FUNCTOOLS_PARTIAL = """\
-autoflat.step needs a function defined with `def`, not a functools.partial ({name}, {where}): \
-decorate the function itself and pass the bound values as arguments (broadcast= or \
-static_argnames=), or close over them.
+BOUND_RETURNED = """\
+`{name}` ({where}) returns `{param}`, which a functools.partial binds: a bound value is the \
+same on every call, so the step's new value of `{param}` could never reach a later step (under \
+jax.jit, every call would start again from the bound value). Pass `{param}` at the call \
+instead, and bind only what stays the same (a schedule, an optimizer, constants).
+"""
+
+BOUND_STATE = """\
+`autoflat.step(...)` for `{name}` ({where}): state= names `{param}`, which a functools.partial \
+binds: a bound value is the same on every call, so its new value could never reach a later \
+step. Pass `{param}` at the call instead.
 """
 
 UNSUPPORTED = """\

@@ -21,7 +21,7 @@ import jax
 
 from . import _caches
 from ._analysis.analysis import analyse
-from ._analysis.source import jit_static_names, unwrap_function
+from ._analysis.source import Bound, bound_arguments, jit_static_names, unwrap_function
 from ._errors import (
     BAD_FLAG,
     BAD_NAMES,
@@ -91,6 +91,8 @@ class Step:
             at = Location(inner.__qualname__, where(code.co_filename, code.co_firstlineno))
             raise error(SourceError, DECORATOR_ORDER, at, wrapper=type(fn).__name__)
         self._user_fn = unwrap_function(fn)
+        # `functools.partial(train_step, tx=tx)`: the function, and what the partials bind.
+        self._bound = bound_arguments(fn)
         analysis = self._analysis = analyse(fn)
         state_, broadcast_, static_, per_step_ = (
             _names(value, option, analysis)
@@ -126,6 +128,7 @@ class Step:
             per_step=per_step_,
             state_at=state_at,
             instance=instance,
+            bound=_bound_names(self._bound, params),
         )
         self.num_steps = num_steps
         _check_flags(analysis, donate=donate, lazy=lazy, unroll=unroll)
@@ -140,6 +143,7 @@ class Step:
         self._signature = inspect.signature(self._user_fn)
         self._params = params
         self._n_params = len(params)
+        self._bound_tail = _keyword_tail(self._bound, params)
         self._diag = Diagnostics(analysis.name, analysis.where)
         self._origin = Origin(analysis.name, analysis.where, self._diag.stats)
         # Checks the options against the source and makes the program from the source alone,
@@ -161,6 +165,9 @@ class Step:
         # their inputs (they call back to the host, or their state changes shape).
         self._jit, self._jit_keep = jitted(self._diag.note_trace, self.donate)
         functools.update_wrapper(self, fn)
+        if self._bound:  # a partial has no name: the function's, and the partial as wrapped
+            functools.update_wrapper(self, self._user_fn, updated=())
+            self.__wrapped__ = fn
         _all_steps.add(self)
 
     @property
@@ -185,6 +192,8 @@ class Step:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # `_runtime.profile._call_and_chain` times these phases: keep the two alike.
         __tracebackhide__ = True
+        if self._bound:
+            args, kwargs = self._with_bound(args, kwargs)
         take_graph_cache()  # a call through nnx.cached_partial: Flax's cache is ours to take
         # A recompile warning noted by an earlier call, issued before this one takes anything:
         # the caller's filters may make it an error, and then every state is still usable.
@@ -226,19 +235,34 @@ class Step:
         state_out, outputs = landed(call.spec, call.landed[0])
         return hand_over(call, finish(self, call, state_out, outputs))
 
+    def _with_bound(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """A call's arguments with what the step's `functools.partial`s bind, as calling the
+        partial passes them: bound positionals first, and a keyword of the call overrides a
+        bound one. Keywords bound for the last parameters go in by position when the call
+        passes the others by position (no `inspect.Signature.bind` on each call)."""
+        bound = self._bound
+        if not bound:
+            return args, kwargs
+        if not kwargs and self._bound_tail is not None:
+            if len(bound.args) + len(args) + len(self._bound_tail) == self._n_params:
+                return (*bound.args, *args, *self._bound_tail), kwargs
+        return (*bound.args, *args), {**bound.keywords, **kwargs}
+
     # --- JAX's ahead-of-time stages ---------------------------------------------------------
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and lower the step for these arguments without running it (as
         `jax.jit(f).lower`): `.compile()` gives a callable `Compiled` with `cost_analysis()`
         and `memory_analysis()`. Nothing is donated or written back."""
-        call = prepare(self, args, kwargs)
+        call = prepare(self, *self._with_bound(args, kwargs))
         jit = runner(self, call.spec, call.inputs())
         donating = bool(self.donate) and jit is self._jit
         return Lowered(self, call, jit.lower(call.spec, *call.inputs()), donating)
 
     def trace(self, *args: Any, **kwargs: Any) -> Traced:
         """Trace the step for these arguments (as `jax.jit(f).trace`): `.jaxpr`, `.lower()`."""
-        call = prepare(self, args, kwargs)
+        call = prepare(self, *self._with_bound(args, kwargs))
         jit = runner(self, call.spec, call.inputs())
         donating = bool(self.donate) and jit is self._jit
         return Traced(self, call, jit.trace(call.spec, *call.inputs()), donating)
@@ -246,7 +270,7 @@ class Step:
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The step's result for these arguments as `jax.ShapeDtypeStruct`s, in the shape the
         step returns (state as its real objects), computed without compiling or running."""
-        call = prepare(self, args, kwargs)
+        call = prepare(self, *self._with_bound(args, kwargs))
         fn = functools.partial(entry, None, call.spec, repack=False, as_list=False)
         state_out, outputs = jax.eval_shape(fn, *call.inputs())
         state = [flat.structure.unflatten(flat.arrays) for flat in relinked(call.spec, state_out)]
@@ -285,6 +309,21 @@ def _renewer(step: Step) -> Callable[[], None]:
             s._renew_jits()
 
     return renew
+
+
+def _bound_names(bound: Bound, params: tuple[str, ...]) -> frozenset[str]:
+    """The parameters a step's `functools.partial`s bind: the first ones by position, the
+    others by name (a keyword that is no parameter fails at the call, as the partial would)."""
+    return frozenset(params[: len(bound.args)]) | (frozenset(bound.keywords) & set(params))
+
+
+def _keyword_tail(bound: Bound, params: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """The bound keywords' values in parameter order, when they bind exactly the last
+    parameters (`partial(train_step, learning_rate_fn=schedule)`), else None."""
+    n = len(bound.keywords)
+    if not n or set(params[-n:]) != set(bound.keywords) or len(params) - n < len(bound.args):
+        return None
+    return tuple(bound.keywords[p] for p in params[-n:])
 
 
 def _check_flags(analysis: Any, *, donate: Any, lazy: Any, unroll: Any) -> None:

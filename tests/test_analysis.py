@@ -219,11 +219,11 @@ def test_option_errors_are_value_errors_and_source_errors_are_not():
     assert not isinstance(info.value, (TypeError, ValueError))
 
 
-def test_functools_partial_is_a_source_error_naming_the_function():
-    with pytest.raises(autoflat.SourceError, match="not a functools.partial") as info:
-        autoflat.step(functools.partial(functional, lr=0.5))
-    line = functional.__code__.co_firstlineno
-    assert f"(functional, {__file__}:{line})" in str(info.value)
+def test_a_functools_partial_is_analysed_as_the_function_it_wraps():
+    """(tests/test_partial.py runs them.)"""
+    analysis = analyse(functools.partial(functional, lr=0.5))
+    assert analysis.name == "functional"
+    assert analysis.where == f"{__file__}:{functional.__code__.co_firstlineno}"
 
 
 def test_messages_name_the_function_by_its_qualname():

@@ -72,6 +72,10 @@ class Case:
     # Upstream's loop reads the returned state between calls (`params["param0"][0]` into a
     # history): the handle is rebuilt, so the next call flattens it again.
     reads_state: bool = False
+    # Module attributes bound by keyword with `functools.partial(step, name=value)` before the
+    # decorator (upstream's `jax.jit(functools.partial(train_step, learning_rate_fn=...))`):
+    # the loop then calls the step without them (`run(..., bound=True)`).
+    bind: tuple[str, ...] = ()
 
 
 KS = (1, 4)
@@ -128,6 +132,16 @@ CASES: dict[str, Case] = {
     ),
     "flax_linen_lr_schedule": Case(
         "flax.linen", "train_step", functools.partial(jax.jit, static_argnums=2)
+    ),
+    # The same step as Flax's examples compile it, `jax.jit(functools.partial(train_step,
+    # learning_rate_fn=learning_rate_fn))` (examples/imagenet, examples/wmt: `jax.pmap` there,
+    # on one device `jax.jit`): the schedule bound, a partial under the decorator.
+    "flax_linen_lr_schedule_partial": Case(
+        "flax.linen",
+        "train_step",
+        jax.jit,
+        module="flax_linen_lr_schedule",
+        bind=("learning_rate_fn",),
     ),
     "flax_linen_vae": Case(
         "flax.linen",
@@ -210,7 +224,14 @@ def _apply(case: Case, mod: Any, decorate: Callable[..., Any]) -> Any:
         return decorate
     if isinstance(case.fn, tuple):
         return tuple(decorate(getattr(mod, n)) for n in case.fn)
-    return decorate(getattr(mod, case.fn))
+    fn = getattr(mod, case.fn)
+    if case.bind:
+        fn = functools.partial(fn, **{name: getattr(mod, name) for name in case.bind})
+    return decorate(fn)
+
+
+def _bound(case: Case) -> dict[str, Any]:
+    return {"bound": True} if case.bind else {}
 
 
 def _group(case: Case, k: int) -> dict[str, Any]:
@@ -226,7 +247,7 @@ def _module_of(name: str) -> Any:
 def _reference(name: str, k: int) -> Any:
     """Upstream's own loop with upstream's jit (computed once per case and schedule)."""
     case, mod = CASES[name], _module_of(name)
-    return mod.run(_apply(case, mod, case.upstream_jit), **_group(case, k))
+    return mod.run(_apply(case, mod, case.upstream_jit), **_group(case, k), **_bound(case))
 
 
 def _compare(case: Case, ref: Any, got: Any, k: int) -> None:
@@ -288,7 +309,9 @@ def test_corpus(name: str, k: int) -> None:
         return call
 
     # autoflat first: where it raises, the reference is not needed
-    got = mod.run(_apply(case, mod, decorate), chunk=k, **_group(case, k), **case.run_kwargs)
+    got = mod.run(
+        _apply(case, mod, decorate), chunk=k, **_group(case, k), **_bound(case), **case.run_kwargs
+    )
     _compare(case, _reference(name, k if case.group_by_k else 1), got, k)
     for step in steps:
         stats = autoflat.stats(step)

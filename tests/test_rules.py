@@ -1,11 +1,12 @@
 """The role rules: the table in code (`RULES`) is the table of docs/roles.md, and each rule
 decides its case, naming itself in `show()`: ahead of a later rule that would also apply,
-where one can (rules 3 and 4, 4 and 5, 5 and 6, 8 and 9 overlap; the others read disjoint
+where one can (rules 3 and 4, 4 and 5, 5 and 6, 8 and 9, 10 and 11 overlap; the others read disjoint
 facts, and their order is held by the page's table)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 from collections.abc import Callable
@@ -157,21 +158,29 @@ CASES = {
         "d",
         "state",
     ),
-    # rule 6 before rule 12: changed in place
+    # rule 6 before rule 13: changed in place
     "changed-in-place": Case(
         _changed, lambda: ({"s": jnp.zeros(2)}, jnp.ones(2)), "totals", "state"
     ),
-    # rule 7 before rule 12: a Flax NNX module its method changes
+    # rule 7 before rule 13: a Flax NNX module its method changes
     "mutable-module": Case(_mutated, lambda: (Counter(), jnp.ones(2)), "counter", "state"),
-    # rule 8 before rules 9 and 11: a string (a leaf JAX cannot trace), with no leading axis
+    # rule 8 before rules 9 and 12: a string (a leaf JAX cannot trace), with no leading axis
     "python-scalar": Case(
         _scalar, lambda: (jnp.zeros(()), jnp.ones((4, 3)), "relu"), "act", "static", num_steps=4
     ),
-    # rule 9 before rule 11: an optax GradientTransformation, with no leading axis
+    # rule 9 before rule 12: an optax GradientTransformation, with no leading axis
     "untraceable": Case(
         _untraceable,
         lambda: (jnp.zeros(()), jnp.ones((4, 3)), optax.sgd(0.1)),
         "tx",
+        "broadcast",
+        num_steps=4,
+    ),
+    # rule 10 before rule 11: bound by a functools.partial, with a leading axis of num_steps
+    "bound-argument": Case(
+        functools.partial(_per_step, xs=jnp.ones((4, 3))),
+        lambda: (jnp.zeros(()),),
+        "xs",
         "broadcast",
         num_steps=4,
     ),

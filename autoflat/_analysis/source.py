@@ -1,27 +1,28 @@
 """Stage 1, first half: find a step function's source text.
 
 `unwrap_function` takes the plain function out of a `jax.jit` or `eqx.filter_jit` wrapper
-(autoflat compiles the step itself) and refuses what it cannot see through: a
-`functools.partial`, a `jax.jit` with options autoflat would drop, any other wrapper (which
-would silently not run). `read_source` reads the function's dedented source, its file and first
-line, or raises a `SourceError` saying why it cannot (a lambda, code typed at a REPL).
+(autoflat compiles the step itself) and out of `functools.partial`s (`bound_arguments` gives
+what they bind), and refuses what it cannot see through: a `jax.jit` with options autoflat
+would drop, any other wrapper (which would silently not run). `read_source` reads the
+function's dedented source, its file and first line, or raises a `SourceError` saying why
+it cannot (a lambda, code typed at a REPL).
 """
 
 from __future__ import annotations
 import __future__
 
+import dataclasses
 import dis
 import functools
 import inspect
 import sys
 import textwrap
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import _jax
 from .._errors import (
-    FUNCTOOLS_PARTIAL,
     JIT_OPTIONS,
     NO_SOURCE,
     WRAPPED_STEP,
@@ -41,25 +42,56 @@ def location_of(fn: Any) -> Location:
     return Location(name, where(code.co_filename, code.co_firstlineno))
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """What the `functools.partial`s around a step bind, merged as calling them would: the
+    positional arguments (the innermost partial's first) and the keywords (an outer
+    partial's win)."""
+
+    args: tuple[Any, ...] = ()
+    keywords: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.args or self.keywords)
+
+
 def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The plain Python function under a `jax.jit` or `eqx.filter_jit` wrapper, which autoflat
-    replaces (it compiles the step itself).
+    """The plain Python function under `jax.jit`, `eqx.filter_jit` and `nnx.jit` wrappers,
+    which autoflat replaces (it compiles the step itself), and under `functools.partial`s
+    (`bound_arguments` gives what they bind). A partial of a bound method is its function
+    with the instance bound first.
 
     **Raises:**
 
-    `SourceError` for a `functools.partial`, whose bound arguments autoflat cannot see; for a
-    `jax.jit` with options (static arguments, donation, shardings) autoflat would drop; and
-    for any other wrapper (`functools.wraps`, `jax.vmap`, ...): autoflat regenerates the
-    function from its source, so a wrapper under it would silently not run.
+    `SourceError` for a `jax.jit` with options (shardings, static positions without a name)
+    autoflat would drop; and for any other wrapper (`functools.wraps`, `jax.vmap`, ...):
+    autoflat regenerates the function from its source, so a wrapper under it would silently
+    not run.
     """
+    return _unwrap(fn)[0]
+
+
+def bound_arguments(fn: Callable[..., Any]) -> Bound:
+    """What the `functools.partial`s around a step (outside or inside its `jax.jit`) bind."""
+    return _unwrap(fn)[1]
+
+
+def _unwrap(fn: Any) -> tuple[Callable[..., Any], Bound]:
+    args: tuple[Any, ...] = ()
+    keywords: dict[str, Any] = {}
     seen = set()
     while id(fn) not in seen:
         seen.add(id(fn))
         if isinstance(fn, functools.partial):
-            inner: Any = fn
-            while isinstance(inner, functools.partial):
-                inner = inner.func
-            raise error(SourceError, FUNCTOOLS_PARTIAL, location_of(inner))
+            # partial(partial(f, a), b)(x) is f(a, b, x): inner positionals first, and an
+            # outer keyword overrides an inner one.
+            args = (*fn.args, *args)
+            keywords = {**fn.keywords, **keywords}
+            fn = fn.func
+            if inspect.ismethod(fn):  # partial(model.train_step, ...)
+                args = (fn.__self__, *args)
+                fn = fn.__func__
+            continue
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is None or not callable(wrapped):
             break
@@ -75,7 +107,7 @@ def unwrap_function(fn: Callable[..., Any]) -> Callable[..., Any]:
         if options:
             raise error(SourceError, JIT_OPTIONS, location_of(_innermost(wrapped)), options=options)
         fn = wrapped
-    return fn
+    return fn, Bound(args, keywords)
 
 
 def _jit_kind(fn: Any) -> str | None:
@@ -100,7 +132,7 @@ def jit_static_names(fn: Any) -> frozenset[str]:
         if _jit_kind(fn) == "jax.jit":
             info = _jax.jit_info(fn)
             names.update(getattr(info, "static_argnames", ()) or ())
-        fn = getattr(fn, "__wrapped__", None)
+        fn = fn.func if isinstance(fn, functools.partial) else getattr(fn, "__wrapped__", None)
     return frozenset(names)
 
 
@@ -158,9 +190,14 @@ def _wrapper_name(fn: Any) -> str:
 
 def _innermost(fn: Any) -> Any:
     seen = set()
-    while id(fn) not in seen and getattr(fn, "__wrapped__", None) is not None:
+    while id(fn) not in seen:
         seen.add(id(fn))
-        fn = fn.__wrapped__
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        else:
+            break
     return fn
 
 

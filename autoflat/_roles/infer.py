@@ -4,7 +4,7 @@ The source says which parameters are state when it returns them by name or assig
 At a step's first call (and again for arguments of other types) `infer` finds what the rules
 of the table (`rules`) read from the first call, and applies the table:
 
-- **Per-step, broadcast or static, by run-time type and shape** (rules 6 to 12). An argument
+- **Per-step, broadcast or static, by run-time type and shape** (rules 6 to 13). An argument
   the source and options leave open is, with `num_steps=k > 1`: per-step if every array leaf
   has a leading axis of k; broadcast if none has (a reused key, a full batch, a teacher's
   weights) or if it holds values JAX cannot trace (an Equinox module's functions, an optax
@@ -303,12 +303,16 @@ class _Inference:
         # Candidates: open broadcast-like arguments and declared state. A method's pytree
         # instance given back changed (`return self.replace(w=w), loss`, the flax.struct
         # agents of jaxrl_m) is state; left broadcast, every step restarted from it.
+        # A value a functools.partial binds is the same every call: never given back (rule 10).
         candidates = [
             p
             for p in self.params
-            if p in self.declared
-            or _candidate(self.kinds.get(p), values[p], num_steps)
-            or (p == options.instance and p not in options.broadcast and _has_arrays(values[p]))
+            if p not in options.bound
+            and (
+                p in self.declared
+                or _candidate(self.kinds.get(p), values[p], num_steps)
+                or (p == options.instance and p not in options.broadcast and _has_arrays(values[p]))
+            )
         ]
         self.pending = [p for p in candidates if p not in self.state_at]
         # Python numbers static with num_steps > 1, which a return may give back changed.
@@ -316,6 +320,7 @@ class _Inference:
             p
             for p in self.params
             if num_steps > 1
+            and p not in options.bound
             and self.kinds.get(p) == "static"
             and type(values[p]) in (int, float)
             and self.for_eval[p] == "static"
@@ -374,14 +379,16 @@ class _Inference:
 
     def _carried(self) -> list[str]:
         """The parameters that could come back through a return, in order: not a method's
-        instance, those named broadcast=, or state written back into the caller's objects
-        (counted, a step's `(self, w, x)` put `w` at the second place)."""
+        instance, those named broadcast= or bound by a functools.partial, or state written
+        back into the caller's objects (counted, a step's `(self, w, x)` put `w` at the second
+        place)."""
         options = self.options
         return [
             p
             for p in self.params
             if self.for_eval[p] not in ("scanned", "static")
             and p not in options.broadcast
+            and p not in options.bound
             and p != options.instance
             and p not in self.mutable
         ]

@@ -1,8 +1,9 @@
 """The role options a user gives `autoflat.step`, and the roles themselves.
 
 - `Role`: state, scanned (per-step), broadcast or static;
-- `Options`: `state=`, `broadcast=`, `static_argnames=`, `per_step=` and a method's instance,
-  checked against the parameters by `check_options`.
+- `Options`: `state=`, `broadcast=`, `static_argnames=`, `per_step=`, a method's instance
+  and the parameters a `functools.partial` binds, checked against the parameters and the
+  returns by `check_options`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ import dataclasses
 from typing import Literal
 
 from .._analysis.analysis import Analysis
-from .._errors import BAD_OPTION, ROLE_CONFLICT, OptionError, error
+from .._errors import (
+    BAD_OPTION,
+    BOUND_RETURNED,
+    BOUND_STATE,
+    ROLE_CONFLICT,
+    OptionError,
+    SourceError,
+    error,
+)
 
 Role = Literal["state", "scanned", "broadcast", "static"]
 
@@ -28,6 +37,8 @@ class Options:
     state_at: tuple[tuple[str, int], ...] = ()
     # A method's instance (`self`), broadcast without the user asking.
     instance: str | None = None
+    # Parameters a `functools.partial` around the step binds: the same value every call.
+    bound: frozenset[str] = frozenset()
 
     @property
     def explicit(self) -> frozenset[str]:
@@ -39,7 +50,10 @@ class Options:
 
 def check_options(analysis: Analysis, options: Options) -> None:
     """Raise an `OptionError` for option names that are not parameters or that give one
-    parameter two roles (`assign_roles` calls this first)."""
+    parameter two roles, and for a parameter a `functools.partial` binds that would be state
+    given back by a return (`state=`; a `SourceError` where a return names it): its new value
+    could never reach a later step (`assign_roles` calls this first)."""
+    _check_bound(analysis, options)
     names = set(analysis.param_names)
     seen: dict[str, str] = {}
     for label, group in (
@@ -62,3 +76,14 @@ def check_options(analysis: Analysis, options: Options) -> None:
                     OptionError, ROLE_CONFLICT, analysis, param=p, first=seen[p], second=label
                 )
             seen[p] = label
+
+
+def _check_bound(analysis: Analysis, options: Options) -> None:
+    """A bound parameter is never state a return gives back (it may be state written back
+    into the bound object: rules 5 to 7)."""
+    for p in sorted(options.bound & options.state):
+        raise error(OptionError, BOUND_STATE, analysis, param=p)
+    for r in analysis.returns:
+        for name in r.names:
+            if name in options.bound and name not in options.explicit:
+                raise error(SourceError, BOUND_RETURNED, analysis, param=name)

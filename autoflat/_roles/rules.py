@@ -5,9 +5,10 @@ first call settled) and one parameter. It gives back a role with its evidence, o
 pass to the next rule. `RULES` lists them in precedence order and `decide` gives a parameter
 the decision of the first rule that applies, with that rule's name for `show()`.
 
-The source decides rules 1, 2, 4 and 5 when a step is decorated. The other rules read the
-first call (`Call`) and pass without it, so before the first call rule 12 takes every
-parameter the source leaves open as a per-step input. At the first call, `infer` applies the
+The source decides rules 1, 2, 4, 5 and 10 when a step is decorated. The other rules read the
+first call (`Call`) and pass without it, so before the first call rule 13 takes every
+parameter the source leaves open as a per-step input (rule 10 those a `functools.partial`
+binds). At the first call, `infer` applies the
 table before matching by abstract value, with nothing matched yet, for the roles the abstract
 evaluation takes, then once more with everything it found.
 
@@ -105,7 +106,10 @@ def decide(ctx: Context, p: str) -> Decision | None:
     for rule in RULES:
         found = rule.decide(ctx, p)
         if found is not None:
-            return Decision(found[0], found[1], rule.name)
+            why = found[1]
+            if p in ctx.options.bound:  # `show()` lists what a functools.partial binds
+                why = f"bound by functools.partial; {why}"
+            return Decision(found[0], why, rule.name)
     return None
 
 
@@ -314,7 +318,7 @@ def changed_in_place(ctx: Context, p: str) -> Evidence | None:
 
 
 def taken_from(ctx: Context, p: str, found: Evidence) -> Evidence:
-    """The decision of a later rule (9 to 12) for a dict or list the body only takes from
+    """The decision of a later rule (9 to 13) for a dict or list the body only takes from
     (`labels = batch.pop("labels")`, `del batch["mask"]`), which is not state: the step
     changes its own copy, as under `jax.jit`, and the evidence says so."""
     call = ctx.call
@@ -398,6 +402,22 @@ def untraceable(ctx: Context, p: str) -> Evidence | None:
 # --- rule 10 -------------------------------------------------------------------------------
 
 
+def bound_argument(ctx: Context, p: str) -> Evidence | None:
+    """Bound by a `functools.partial` around the step: the same value on every call, as
+    `jax.jit` of the partial holds it. Arrays are broadcast (never sliced per step), a Python
+    number is a constant (static). Rules 2 to 4 never make it state (`check_options`)."""
+    if p not in ctx.options.bound:
+        return None
+    call = ctx.call
+    if call is not None and isinstance(call.values[p], SCALARS):
+        kind = type(call.values[p]).__name__
+        return "static", f"a Python {kind}, a constant as under jax.jit of the partial"
+    return taken_from(ctx, p, ("broadcast", "the same value every call"))
+
+
+# --- rule 11 -------------------------------------------------------------------------------
+
+
 def leading_axis(ctx: Context, p: str) -> Evidence | None:
     """With num_steps > 1, every array leaf has a leading axis of num_steps: per-step. A
     default value the call did not pass (`class_weights=W`) is the same every step, even if
@@ -439,7 +459,7 @@ def defaulted(fn: Callable[..., Any], values: Mapping[str, Any]) -> frozenset[st
     )
 
 
-# --- rule 11 -------------------------------------------------------------------------------
+# --- rule 12 -------------------------------------------------------------------------------
 
 
 def no_leading_axis(ctx: Context, p: str) -> Evidence | None:
@@ -453,7 +473,7 @@ def no_leading_axis(ctx: Context, p: str) -> Evidence | None:
     return taken_from(ctx, p, ("broadcast", f"no leading axis of num_steps={k} at the first call"))
 
 
-# --- rule 12 -------------------------------------------------------------------------------
+# --- rule 13 -------------------------------------------------------------------------------
 
 
 def as_passed(ctx: Context, p: str) -> Evidence | None:
@@ -478,6 +498,7 @@ RULES: tuple[Rule, ...] = (
     Rule("mutable-module", mutable_module),
     Rule("python-scalar", python_scalar),
     Rule("untraceable", untraceable),
+    Rule("bound-argument", bound_argument),
     Rule("leading-axis", leading_axis),
     Rule("no-leading-axis", no_leading_axis),
     Rule("as-passed", as_passed),

@@ -75,7 +75,7 @@ class Compiled:
         __tracebackhide__ = True
         step = self._step
         step._diag.warn_if_pending(stacklevel=2)
-        call = prepare(step, args, kwargs)
+        call = prepare(step, *step._with_bound(args, kwargs))
         if call.spec is not self._spec:
             raise error(CallError, AOT_MISMATCH, step._analysis)
         step.stats.calls += 1

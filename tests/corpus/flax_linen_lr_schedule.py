@@ -119,14 +119,18 @@ BATCHES = [{k: v[perm, ...] for k, v in train_ds.items()} for perm in _perms]
 assert len(BATCHES) == N_STEPS
 
 
-def run(train_step, chunk=None):
+def run(train_step, chunk=None, bound=False):
     """The guide's `train_epoch` loop (`state, metrics = train_step(state, batch,
     learning_rate_fn)`) over one epoch of 8 batches, then the epoch metrics' mean and the
-    trained CNN's metrics on held-out dummy data."""
+    trained CNN's metrics on held-out dummy data. `bound`: the step is a partial binding
+    `learning_rate_fn`, called as `train_step(state, batch)` (Flax's examples)."""
     state = create_train_state(jax.random.key(0), config, learning_rate_fn)
     batch_metrics = []
     for batch in calls(BATCHES, chunk):
-        state, metrics = train_step(state, batch, learning_rate_fn)
+        if bound:
+            state, metrics = train_step(state, batch)
+        else:
+            state, metrics = train_step(state, batch, learning_rate_fn)
         batch_metrics.append(metrics)
     per_step = collect(batch_metrics, chunk)
     epoch_metrics = {k: np.mean(v) for k, v in per_step.items()}
