@@ -173,8 +173,8 @@ the step itself.)
 """
 
 JIT_OPTIONS = """\
-`{name}` ({where}) is wrapped by `jax.jit` with {options} under `@autoflat.step`, which \
-autoflat would drop (it compiles the step itself). Remove the inner `jax.jit` and give \
+`{name}` ({where}) is wrapped by `{wrapper}` with {options} under `@autoflat.step`, which \
+autoflat would drop (it compiles the step itself). Remove the inner `{wrapper}` and give \
 autoflat the options it takes: `static_argnames=` for static arguments (a `jax.jit`'s own are \
 taken over by name); autoflat donates the state it produced on its own (`donate=`); shardings \
 come from the arguments you pass.

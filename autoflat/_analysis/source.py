@@ -105,7 +105,8 @@ def _unwrap(fn: Any) -> tuple[Callable[..., Any], Bound]:
             )
         options = _jit_options(fn)
         if options:
-            raise error(SourceError, JIT_OPTIONS, location_of(_innermost(wrapped)), options=options)
+            at = location_of(_innermost(wrapped))
+            raise error(SourceError, JIT_OPTIONS, at, options=options, wrapper=kind)
         fn = wrapped
     return fn, Bound(args, keywords)
 
@@ -153,8 +154,8 @@ def _jit_options(fn: Any, kind: str = "") -> str:
         # Its inner `jax.jit` carries the options (and out_shardings of nnx's own making).
         inner = _jit_options(fn.jitted_fn, "nnx.jit-inner").split(", ")
         found = [o for o in inner if o and o != "out_shardings"]
-        found += [f"{n}" for n in ("in_shardings", "out_shardings") if getattr(fn, n, None)]
-        return ", ".join(found)
+        found += [n for n in ("in_shardings", "out_shardings") if getattr(fn, n, None)]
+        return ", ".join(dict.fromkeys(found))
     info = _jax.jit_info(fn)
     if info is None:
         return ""

@@ -265,7 +265,9 @@ def _repacked(spec: CallSpec, k: int, flat: FlatState) -> FlatState:
 # Primitives that run Python on the host while the program runs: it can fail there, after
 # the inputs were donated (`jax.pure_callback`, `io_callback`, `jax.debug.callback`/`print`,
 # and what builds on them: `eqx.error_if`, host-side checks).
-_CALLBACKS = frozenset({"pure_callback", "io_callback", "debug_callback", "callback"})
+_CALLBACKS = frozenset(
+    {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback"}
+)
 
 
 def calls_back(jaxpr: Any) -> bool:
