@@ -6,8 +6,8 @@ Results are compared with a plain `jax.jit` loop of the same function (for `num_
 calls on the per-step slices); errors by type and the key words of their message; compiles,
 fast-path hits, flattens, copies and rebuilds by `autoflat.stats`; roles and their evidence
 by `autoflat.show`. Timing figures (the profile report's numbers, the benchmark ratios, the
-convolution-in-a-scan slowdown) are not asserted. Claims about `functools.partial` steps are
-left to the tests of the change that is reworking them.
+convolution-in-a-scan slowdown) are not asserted. The claims about `functools.partial` steps
+are backed here in brief; tests/test_partial.py has the cases in full.
 """
 
 from __future__ import annotations
@@ -225,6 +225,52 @@ def test_a_jit_with_shardings_or_an_nnx_jit_with_options_is_refused():
         assert f"is wrapped by `{kind}` with {options}" in message
         assert "would drop" in message and f"Remove the inner `{kind}`" in message
         assert "shardings come from the arguments you pass" in message
+
+
+def _with_schedule(params, x, learning_rate_fn, table):
+    params = {"w": params["w"] - learning_rate_fn(0) * (x + table.sum(0))}
+    return params
+
+
+@claim(
+    FAQ,
+    "A `functools.partial` is taken as `jax.jit` takes it: its function, with the arguments the partial binds passed on every call",
+)
+@claim(FAQ, "a keyword you pass at the call overrides a bound one, as with the partial")
+@claim(FAQ, "The source is the wrapped function's.")
+@claim(
+    FAQ,
+    'a bound schedule or optimizer is broadcast, a bound array is broadcast (never sliced per step), a bound Python number is a constant, and `show()` says "bound by functools.partial" for each',
+)
+@claim(FAQ, "a `return` that names it is an error that asks you to pass it at the call instead")
+def test_a_functools_partial_is_taken_as_jax_jit_takes_it():
+    import functools
+
+    schedule = optax.constant_schedule(0.5)
+    table = jnp.ones((2, 3))  # leading axis 2 = num_steps, and still not sliced
+    bound = functools.partial(_with_schedule, learning_rate_fn=schedule, table=table)
+    step = autoflat.step(jax.jit(bound), num_steps=2)
+    params = step({"w": jnp.zeros(3)}, jnp.ones((2, 3)))
+    reference, ref = jax.jit(bound), {"w": jnp.zeros(3)}
+    for _ in range(2):
+        ref = reference(ref, jnp.ones(3))
+    tree_allclose(params, ref)
+    shown = header(step)
+    assert shown.startswith("# autoflat: generated from `_with_schedule` at test_faq.py:")
+    assert "# learning_rate_fn: broadcast (bound by functools.partial; " in shown
+    assert "# table: broadcast (bound by functools.partial; the same value every call)" in shown
+    other = jnp.full((2, 3), 2.0)
+    params = step(params, jnp.ones((2, 3)), table=other)  # the call's keyword wins
+    for _ in range(2):
+        ref = reference(ref, jnp.ones(3), table=other)
+    tree_allclose(params, ref)
+
+    def returns_bound(w, x):
+        w = w - x
+        return w
+
+    with pytest.raises(autoflat.SourceError, match="Pass `w` at the call instead"):
+        autoflat.step(functools.partial(returns_bound, jnp.zeros(3)))
 
 
 def _nested(params, x, n):
