@@ -10,7 +10,7 @@ ResNet50-structured model with Adam), and so does writing the new values back th
 `nnx.update`. After one call has flattened the objects, `NnxCache` keeps:
 
 - their Variables, in leaf order, and the arrays autoflat wrote into them;
-- a `GraphSnapshot` (`_snapshot`): every container reachable from the objects (each module's
+- a `GraphSnapshot` (`snapshot`): every container reachable from the objects (each module's
   `__dict__`, plain lists, dicts and sets) with the identity of each value it held.
 
 The next call with the same objects checks the snapshot and the Variables' values by
@@ -72,23 +72,42 @@ def set_raw(v: Any, value: Any) -> None:
         v.raw_value = value
 
 
-def _unchecked_setter(variable_types: set[type]) -> Callable[[Any, Any], None]:
-    """Set a Variable's value without Flax's per-Variable trace-level check, as Flax's own
-    `nnx.jit_partial` applies its updates (the caller checks one Variable per call). Only
-    where every Variable type keeps Flax's `set_raw_value` and its `_raw_value` slot."""
+def _raw_slot(variable_types: set[type]) -> Any:
+    """The one `_raw_value` slot that every Variable type keeps, with Flax's own
+    `get_raw_value` and `set_raw_value` and attribute lookup, or None: then a Variable's value
+    is read and set only through its methods."""
     slots = set()
     for t in variable_types:
         owner = next((k for k in t.__mro__ if "_raw_value" in k.__dict__), None)
-        if owner is None or getattr(t, "set_raw_value", None) is not getattr(
-            owner, "set_raw_value", None
+        if (
+            owner is None
+            or getattr(t, "set_raw_value", None) is not getattr(owner, "set_raw_value", None)
+            or getattr(t, "get_raw_value", None) is not getattr(owner, "get_raw_value", None)
+            or t.__getattribute__ is not object.__getattribute__
         ):
-            return set_raw
+            return None
         slots.add(owner.__dict__["_raw_value"])
     if len(slots) != 1:
-        return set_raw
+        return None
     (slot,) = slots
-    setter = getattr(slot, "__set__", None)
-    return setter if setter is not None else set_raw
+    return slot if hasattr(slot, "__get__") and hasattr(slot, "__set__") else None
+
+
+def _unchecked_setter(slot: Any) -> Callable[[Any, Any], None]:
+    """Set a Variable's value without Flax's per-Variable trace-level check, as Flax's own
+    `nnx.jit_partial` applies its updates (the caller checks one Variable per call): the
+    slot's own setter, a C function, where `_raw_slot` found one."""
+    return set_raw if slot is None else slot.__set__
+
+
+def _getter(slot: Any, variable_types: set[type]) -> Callable[[Any], Any]:
+    """Read a Variable's value: one C call a Variable (an attribute getter of the slot, which
+    is what Flax's final `get_raw_value` returns) where `_raw_slot` found the slot."""
+    if slot is not None:
+        return operator.attrgetter("_raw_value")
+    if all(hasattr(t, "get_raw_value") for t in variable_types):
+        return operator.methodcaller("get_raw_value")
+    return get_raw
 
 
 def _same(obj: Any) -> Any:
@@ -133,12 +152,9 @@ class NnxCache:
         self._positions = tuple((k, i, refs.get(k)) for k, i in enumerate(state_idx))
         self.snapshot = GraphSnapshot(objects.values(), is_variable)
         variable_types = {type(v) for vs in variables.values() for v in vs}
-        self.set_unchecked = _unchecked_setter(variable_types)
-        self._get = (
-            operator.methodcaller("get_raw_value")
-            if all(hasattr(t, "get_raw_value") for t in variable_types)
-            else get_raw
-        )
+        slot = _raw_slot(variable_types)
+        self.set_unchecked = _unchecked_setter(slot)
+        self._get = _getter(slot, variable_types)
 
     def lookup(self, program: Any, args: tuple[Any, ...], handle_type: type) -> bool:
         """Whether this call's NNX objects are the cached ones, unchanged."""
