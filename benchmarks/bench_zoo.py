@@ -22,6 +22,10 @@ one step, from a fresh step after clearing JAX's and autoflat's caches:
 2k steps from the same state and must agree with pack=False (`harness.agree`).
 
 Writes `zoo.md` and `zoo.json` to `--out` (default benchmarks/results).
+
+`--first-call` instead compares first calls with `jax.jit`'s, each in a fresh process, at the
+defaults (`bench_first_call.py`: one step a call against `jax.jit` of the step, ten against
+`jax.jit` of a hand-written `lax.scan`), and writes `first_call.md` and `first_call.json`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks`, this autoflat
 
 import autoflat  # noqa: E402
-from benchmarks import bench_transport, harness, models, nnx_models  # noqa: E402
+from benchmarks import bench_first_call, bench_transport, harness, models, nnx_models  # noqa: E402
 from benchmarks.harness import Method, Plan  # noqa: E402
 
 # ==========================================================================================
@@ -273,7 +277,14 @@ def main() -> None:
     ap.add_argument("--models", default="abcde", help="which of the models a-e (default: all)")
     ap.add_argument("--packed", action="store_true", help="also pack=True")
     ap.add_argument("--out", default=str(harness.ROOT / "benchmarks" / "results"))
+    ap.add_argument(
+        "--first-call", action="store_true", help="first calls against jax.jit's (see above)"
+    )
+    bench_first_call.parser(ap)
     args = ap.parse_args()
+    if args.first_call:
+        bench_first_call.run(args, "benchmarks/bench_zoo.py")
+        return
     repeats = args.repeats or (5 if args.quick else 9)
     machine, versions = harness.machine(), harness.versions()
     harness.log("\n".join(harness.environment_lines(machine, versions)))

@@ -108,7 +108,9 @@ def autoflat_private() -> SimpleNamespace:
     - `bare_next_args(args, out)`: a step's bare program (`Compiled.jax`) chained: the
       flat arguments of its next launch, its state outputs in place of the state leaves of
       `args` (`Lowered.args`: state leaves, per-step inputs, broadcast leaves);
-    - `auto_max_elements()`: the largest leaf `pack="auto"` packs (bench_transport prints it).
+    - `auto_max_elements()`: the largest leaf `pack="auto"` packs (bench_transport prints it);
+    - `roles_clock()`: the spans of the first calls' role inference (bench_first_call's
+      "roles" phase).
 
     Nothing here runs before it is called: an import of the harness works whatever changed.
     """
@@ -151,7 +153,27 @@ def autoflat_private() -> SimpleNamespace:
 
         return _transport.AUTO_MAX_ELEMENTS
 
+    def roles_clock() -> list[tuple[float, float]]:
+        """From now on, every first-call role inference (`_roles.infer.infer`, as the
+        runtime calls it) appends its (start, end) `perf_counter` times to the list
+        returned."""
+        from autoflat._runtime import program
+
+        spans: list[tuple[float, float]] = []
+        infer = program.infer
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = perf()
+            try:
+                return infer(*a, **kw)
+            finally:
+                spans.append((t0, perf()))
+
+        program.infer = timed  # type: ignore[assignment]
+        return spans
+
     return SimpleNamespace(
+        roles_clock=roles_clock,
         buffers=lambda h: list(get(h, "_af_arrays")),
         bare_next_args=bare_next_args,
         handle_roundtrip=handle_roundtrip,

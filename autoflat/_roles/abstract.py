@@ -10,12 +10,19 @@
 - **Abstract values compared** (`same_value`): the same tree structure, and per leaf the same
   shape and dtype as JAX computes with it (NumPy float64 is float32 without x64), the same
   static value, or a Python scalar that comes back as a 0-d array.
+- **One step's abstract output served** (`one_step_from`): while a first call's inference
+  runs, the runtime may give `eval_one_step` what it asks for from a trace it makes anyway
+  (the program of the roles the source and the arguments' types give, traced for the call
+  under the step's own `jax.jit`, whose trace JAX then reuses): the same step traced with the
+  same abstract arguments, read off as `eval_one_step` reads it (`abstract_return`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -264,6 +271,44 @@ _PASS_THROUGH = frozenset(
 )
 
 
+# What serves `eval_one_step` while a first call's inference runs (`one_step_from`): called
+# with (fn, values, roles, num_steps), it gives `(abstract output,)`, or None to let
+# `eval_one_step` evaluate.
+Server = Callable[[Callable[..., Any], dict[str, Any], dict[str, Role], int], tuple[Any] | None]
+_SERVER: contextvars.ContextVar[Server | None] = contextvars.ContextVar(
+    "autoflat_one_step", default=None
+)
+
+
+@contextlib.contextmanager
+def one_step_from(server: Server | None) -> Iterator[None]:
+    """Within this context, `eval_one_step` (without `after`) asks `server` first."""
+    token = _SERVER.set(server)
+    try:
+        yield
+    finally:
+        _SERVER.reset(token)
+
+
+def abstract_return(value: Any) -> Any:
+    """A step's return value, taken inside a trace, as `eval_one_step` gives it: each traced
+    leaf an abstract value (one per distinct traced value: `is_copy`), every other leaf as it
+    is, a dict in the step's own key order."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    distinct: dict[int, Any] = {}
+    out = []
+    for x in leaves:
+        if _jax.is_tracer(x):
+            if id(x) not in distinct:
+                distinct[id(x)] = jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, weak_type=bool(_jax.weak_type(x))
+                )
+            x = distinct[id(x)]
+        out.append(x)
+    result = jax.tree_util.tree_unflatten(treedef, out)
+    return {k: result[k] for k in value} if type(value) is dict else result
+
+
 def eval_one_step(
     fn: Callable[..., Any],
     params: tuple[str, ...],
@@ -276,7 +321,12 @@ def eval_one_step(
     parameters whose leaves after the step (updated in place: state written back) are put
     there as (key path, leaf) pairs, abstract where traced. The Python numbers inside state
     and broadcast arguments stay Python numbers, unless the step raises on them
-    (`_traced_on_failure`)."""
+    (`_traced_on_failure`). Served by the runtime's trace where it can (`one_step_from`)."""
+    server = _SERVER.get()
+    if server is not None and after is None:
+        served = server(fn, values, roles, num_steps)
+        if served is not None:
+            return served[0]
 
     def attempt(scalars: frozenset[str]) -> Any:
         parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)

@@ -9,7 +9,9 @@ the caller's objects:
   exactly the positional parameters);
 - *state*, per argument, the first that applies: a Flax NNX object unchanged since this step's
   last call (`_nnx`: no graph traversal); an unconsumed lazy handle (its interned structure and
-  leaf list as they are: no `tree_flatten`); anything else is flattened once and its structure
+  leaf list as they are: no `tree_flatten`), or with `lazy=False` the object the step returned
+  last call standing for its handle (`_returned`: by identity, and a dict checked unchanged
+  with one `tree_flatten`); anything else is flattened once and its structure
   interned, then packed (`_transport`) or, with donation on, copied unless autoflat wrote those
   very buffers into this object and nothing else holds them (`_writeback.all_ours`), so the
   caller's own arrays are never donated;
@@ -23,6 +25,8 @@ the caller's objects:
 from __future__ import annotations
 
 import collections
+import operator
+import sys
 from typing import Any
 
 import jax
@@ -116,18 +120,28 @@ def bind(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
 
 def copy_leaves(arrays: list[Any]) -> list[Any]:
     """Fresh buffers with the same values and placement (so donation never touches the
-    caller's own arrays). Weak types are kept: the step sees what `jax.jit` would give it."""
-    return [
-        jnp.array(a, dtype=None if _jax.weak_type(a) else computed_dtype(a.dtype), copy=True)
-        for a in arrays
-    ]
+    caller's own arrays). Weak types are kept: the step sees what `jax.jit` would give it.
+    The arrays of this process's devices are copied by the runtime in one `device_put`:
+    nothing compiled per shape, as `jnp.array(a, copy=True)` is (a first call compiled once
+    per distinct leaf shape); others (spanning hosts, NumPy) by `jnp.array`."""
+    local = [a for a in arrays if _local_array(a)]
+    copies = iter(jax.device_put(local, may_alias=False) if local else ())
+    return [next(copies) if _local_array(a) else _copy(a) for a in arrays]
+
+
+def _copy(a: Any) -> Any:
+    return jnp.array(a, dtype=None if _jax.weak_type(a) else computed_dtype(a.dtype), copy=True)
+
+
+def _local_array(a: Any) -> bool:
+    return isinstance(a, jax.Array) and not _jax.is_tracer(a) and a.is_fully_addressable
 
 
 def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Everything the launch needs, from the call's arguments (see the module doc)."""
     if kwargs or len(args) != step._n_params:
         args = bind(step, args, kwargs)
-    program, to_array, firsts = step._programs.for_args(args, step._may_mutate)
+    program, to_array, firsts = step._programs.for_args(args, step._may_mutate, step)
     call = Call()
     call.args = args
     call.program = program
@@ -189,31 +203,33 @@ def _take_state(
     donated: list[LazyHandle] = []
     call.donated = donated
     last = step._last
+    handles: dict[int, LazyHandle] = {}  # per state position, the handle it is donated as
     hit = call.nnx_hit = step._nnx.lookup(program, args) if step._nnx.cache else None
     for k, i in enumerate(program.state_idx):
         a = args[i]
         if hit is not None and k in hit.variables:
             taken = _take_nnx_hit(step, call, hit, k)
         else:
-            if last:
-                # lazy=False: the real object we returned last time stands for its handle.
-                pair = last.get(k)
-                if pair is not None and pair[0] is a and pair[1]._af_structure.immutable:
-                    a = pair[1]
-            if (
-                type(a) is LazyHandle
-                and not a._af_consumed_by
-                and (a._af_obj is _UNBUILT or a._af_structure.immutable)
-            ):
-                structures.append(a._af_structure)
-                leaves.append(a._af_arrays)
-                placements.append(a._af_placement)
-                layouts.append(a._af_layout)
-                donated.append(a)
-                stats.fast_path += 1
-                if firsts[k] is None:
-                    firsts[k] = a._af_structure
-                continue
+            # lazy=False: the real object this step returned last call stands for its handle
+            # while it holds what it was built from (`_returned`).
+            pair = last.get(k) if last else None
+            ours = pair is not None and pair[0] is a and _returned(step, call, k, pair[1], a)
+            if ours:
+                assert pair is not None
+                a = pair[1]
+            if type(a) is LazyHandle and not a._af_consumed_by:
+                fresh = a._af_obj is _UNBUILT or a._af_structure.immutable
+                if fresh or ours:
+                    structures.append(a._af_structure)
+                    leaves.append(a._af_arrays)
+                    placements.append(a._af_placement)
+                    layouts.append(a._af_layout)
+                    donated.append(a)
+                    handles[k] = a
+                    stats.fast_path += fresh  # (a dict checked by `_returned` was flattened)
+                    if firsts[k] is None:
+                        firsts[k] = a._af_structure
+                    continue
             taken = _take_flattened(step, call, k, a, to_array[k], firsts, unpacked)
         structures.append(taken[0])
         leaves.append(taken[1])
@@ -231,7 +247,7 @@ def _take_state(
     if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
         _copy_repeats(call, leaves)
     if donated and step.donate:
-        _keep_shared(call, leaves)
+        _keep_shared(call, leaves, handles)
     return structures, leaves, placements, layouts
 
 
@@ -243,6 +259,59 @@ def _pack_mode(step: Any, call: Call, k: int) -> _transport.PackMode:
     """How state argument `k` travels (`_transport.mode_for`)."""
     written_back = any(j == k for j, _ in call.program.written_back_idx)
     return _transport.mode_for(step.pack, written_back)
+
+
+def _returned(step: Any, call: Call, k: int, h: LazyHandle, a: Any) -> bool:
+    """`lazy=False`: whether `a`, the object this step returned as state `k` last call, goes in
+    as its handle `h` (the fast path: `h`'s interned structure and buffers as they are).
+
+    Of immutable structure (an Equinox module, optax's tuples), always: it cannot have
+    changed (`_take_state` still refuses a consumed `h`). A mutable one (a dict) may have
+    been changed in place since: it is flattened, and goes in as `h` only while its tree and
+    every leaf, by identity, are still those it was built from, so no structure is interned
+    and no placement read again. Its arrays are the caller's too: they are copied before a
+    donating launch (`call.copies`) unless nothing else holds them (an array the caller kept
+    stays valid). Else `a` is taken as any other value (`_take_flattened`), its arrays still
+    ours to donate where unchanged (`_writeback.all_ours`). State written back into the
+    caller's objects (Flax NNX) is never taken here."""
+    structure = h._af_structure
+    if structure.immutable:
+        return True
+    if h._af_consumed_by or any(j == k for j, _ in call.program.written_back_idx):
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(a)
+    arrays = LazyHandle._af_leaf_arrays(h)
+    if treedef != structure.treedef or not all(
+        map(operator.is_, leaves, structure.all_leaves(arrays))
+    ):
+        # Changed in place: flattened again there, with the arrays it still holds ours.
+        _writeback.record_written(arrays, a)
+        return False
+    step._diag.stats.flattens += 1
+    if (
+        step.donate
+        and h._af_layout is None  # (packed, the buffers are not the caller's leaves)
+        and max(_refcounts(leaves, structure.array_positions), default=0) > _HELD_BY_US
+    ):
+        call.copies.append(k)
+    return True
+
+
+def _refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
+    return [sys.getrefcount(leaves[i]) for i in positions]
+
+
+def _calibrate() -> int:
+    """References to a leaf of a returned object that only it holds, as `_returned` counts
+    them: its container, the handle's list of arrays and the list of a flatten (counted by
+    the same function, so the interpreter's own references are in it)."""
+    leaf = object()
+    container_and_handle = [[leaf], [leaf]]
+    del leaf
+    return _refcounts(container_and_handle[1][:], (0,))[0]
+
+
+_HELD_BY_US = _calibrate()
 
 
 def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
@@ -321,13 +390,15 @@ def _copy_repeats(call: Call, leaves: list[list[Any]]) -> None:
         seen.add(id(a))
 
 
-def _keep_shared(call: Call, leaves: list[list[Any]]) -> None:
+def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHandle]) -> None:
     """A handle given as state and also as another argument (broadcast, per-step) would have
     its buffers donated and read in one call: the state takes a copy, which is donated, and
     the handle's own buffers are not (it stays valid after the call, as under `jax.jit`:
-    `target = online` kept for a target network). (A per-step array, the usual batch, holds
-    no handle: not searched.)"""
-    args, program, donated = call.args, call.program, call.donated
+    `target = online` kept for a target network). `handles` gives, per state position, the
+    handle donated for it: for a `lazy=False` object that stands for its handle
+    (`_returned`), the object given as a broadcast argument too is found as itself. (A
+    per-step array, the usual batch, holds no handle: not searched.)"""
+    args, program = call.args, call.program
     in_xs = {
         id(x)
         for i in program.scanned_idx
@@ -336,12 +407,17 @@ def _keep_shared(call: Call, leaves: list[list[Any]]) -> None:
         if type(x) is LazyHandle
     }
     others = in_xs.union(id(args[i]) for i in program.bcast_idx)
-    call.xs_shared = not in_xs.isdisjoint(map(id, donated))
-    if others.intersection(map(id, donated)):
-        for k, i in enumerate(program.state_idx):
-            if type(args[i]) is LazyHandle and id(args[i]) in others:
+    call.xs_shared = not in_xs.isdisjoint(map(id, call.donated))
+    shared = {
+        id(h)
+        for k, h in handles.items()
+        if id(h) in others or id(args[program.state_idx[k]]) in others
+    }
+    if shared:
+        for k, h in handles.items():
+            if id(h) in shared:
                 leaves[k] = copy_leaves(leaves[k])
-        call.donated = [h for h in donated if id(h) not in others]
+        call.donated = [h for h in call.donated if id(h) not in shared]
 
 
 def _share(

@@ -8,7 +8,9 @@ step weakly typed (a buffer of its own is, a packed one is unpacked so: `Layout.
 leaves as the step gives it back (the next call compiles again where `jax.jit`'s would). It
 returns its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the
 host-side counterpart for shared Variables; `calls_back` finds host callbacks in a traced
-program (`_launch` runs those without donation).
+program (`_launch` runs those without donation). At one step a call, `entry` hands the step's
+return to `tracing.captured`, which a first call's trial reads (`_runtime.program`); a scan
+hands each step's in `tracing`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from .._transport import wholes as _wholes
 from .._transport.structure import FlatState, pinned, strongly_typed
 from .diagnostics import Stats
 from .program import CallSpec
-from .tracing import linking
+from .tracing import captured, linking
 
 
 def entry(
@@ -77,6 +79,8 @@ def _body(
     values = (*spec.structures, *spec.bcast_structures, *spec.static.values())
     with linking(bcast), _writeback.untouched(names, values, spec.fn):
         state_out, outputs = spec.program.fn(spec, state, xs, bcast)
+    if spec.num_steps == 1:
+        captured(spec, state_out, outputs)
     leaving = tuple(_leaving(spec, k, flat) for k, flat in enumerate(state_out))
     if spec.links is not None:
         # A shared Variable's new value leaves once, with the argument it came in with.

@@ -67,20 +67,17 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
 
 def _real_objects(step: Any, handles: list[Any]) -> None:
     """`lazy=False`: each handle becomes its real object, and what comes back next call is
-    not flattened or copied again: an object of immutable structure, by identity, stands for
-    its handle (`step._last`: the fast path); the arrays of a mutable one (a dict) are
-    recorded as ours (`_writeback.record_written`), so while they are still those arrays and
-    nothing else holds them, they are donated without a copy."""
+    not taken in again from scratch: the object, by identity, stands for its handle
+    (`step._last`), as it is where its structure is immutable, and while it holds what it
+    was built from where it is mutable (a dict, checked by `call._returned`). Nothing per
+    leaf is done here beyond the rebuild itself."""
     last = step._last
     last.clear()
     for k, h in enumerate(handles):
         if type(h) is not LazyHandle:
             continue  # state that is one array, or holds none, is returned as it is
         obj = LazyHandle._af_get(h)
-        if h._af_structure.immutable:
-            last[k] = (obj, h)
-        else:
-            _writeback.record_written(LazyHandle._af_leaf_arrays(h), obj)
+        last[k] = (obj, h)
         handles[k] = obj
 
 

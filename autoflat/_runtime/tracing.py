@@ -7,6 +7,10 @@ runs the steps of one call as a `lax.scan`, checking the leading axis of per-ste
 that the state keeps its shapes and dtypes from step to step, by `lax.scan`'s own rule: a
 weakly typed leaf (made from a Python number) may come back of another dtype, and the scan
 carries it promoted to that dtype from the first step.
+
+`capturing(spec)` records, while `spec` is traced, one step's return value as the user's step
+gives it, abstract (`_roles.abstract.abstract_return`): what a first call's role inference
+reads, taken from the program's own trace (`_runtime.program`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .._errors import (
 )
 from .._handles import nnx as _nnx
 from .._handles.lazy import LazyHandle
+from .._roles.abstract import abstract_return
 from .._transport import structure as _structure
 from .._transport.structure import FlatState, flatten
 
@@ -56,6 +61,34 @@ def linking(broadcast: tuple[FlatState, ...] = ()) -> Iterator[None]:
     finally:
         stack.pop()  # no tracer outlives its trace here
         bcast.pop()
+
+
+@contextlib.contextmanager
+def capturing(spec: Any) -> Iterator[list[Any]]:
+    """While `spec` is traced in this context, the first step's return value (see the module
+    doc) lands in the list given (left empty if the trace never got there)."""
+    found: list[Any] = []
+    before = _scopes.__dict__.get("capture")
+    _scopes.capture = (spec, found)
+    try:
+        yield found
+    finally:
+        _scopes.capture = before
+
+
+def captured(spec: Any, state: tuple[FlatState, ...], outputs: tuple[Any, ...]) -> None:
+    """One step of `spec` returned `state` (flattened) and `outputs` (in the trace): recorded
+    when `capturing(spec)` asks, as the user's step returned them."""
+    capture = _scopes.__dict__.get("capture")
+    layout = spec.program.roles.layout
+    if capture is None or capture[0] is not spec or capture[1] or layout.kind == "unpacked":
+        return
+    items = [
+        state[i].structure.unflatten(state[i].arrays) if kind == "state" else outputs[i]
+        for kind, i in layout.entries
+    ]
+    value = None if layout.kind == "none" else items[0] if layout.kind == "single" else tuple(items)
+    capture[1].append(abstract_return(value))
 
 
 def _unflatten(flat: FlatState) -> Any:
@@ -98,6 +131,7 @@ def _scan(
 
     def checked(carry: Any, x: Any) -> Any:
         new_carry, ys = step(carry, x)
+        captured(spec, new_carry, ys)
         for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
             for a, b in zip(old.arrays, new.arrays, strict=True):
                 if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) and not (

@@ -990,7 +990,7 @@ def test_lazy_false_rebuilds_every_call_and_travels_one_buffer_per_leaf():
 
 @claim(
     FAQ,
-    "The objects it returned, passed back unchanged, are not flattened again (immutable structure: tuples, NamedTuples, frozen dataclasses, Equinox modules) or not copied again (a dict whose arrays are still the returned ones and held nowhere else).",
+    "The objects it returned, passed back unchanged, are not flattened again (immutable structure: tuples, NamedTuples, frozen dataclasses, Equinox modules) or not copied again (a dict whose tree and arrays are still the returned ones, its arrays held nowhere else).",
 )
 def test_lazy_false_objects_passed_back_are_not_flattened_or_copied_again():
     @dataclasses.dataclass(frozen=True)

@@ -1466,9 +1466,7 @@ def test_a_pytree_selfs_arrays_are_inputs():
 # === State by abstract value ================================================================
 
 
-@claim(
-    PAGE, "At the first call autoflat evaluates one step abstractly (`jax.eval_shape`: no compile"
-)
+@claim(PAGE, "At the first call autoflat evaluates one step abstractly (a trace: no compile")
 def test_the_first_call_evaluates_one_step_abstractly():
     compiles, counting = [], [False]
 
@@ -3338,3 +3336,70 @@ def test_bad_option_names_fail_at_decoration(options):
 
     with pytest.raises(autoflat.OptionError):
         autoflat.step(update, num_steps=K, **options)
+
+
+BODY_RUNS = [0]
+
+
+def _counted(params, opt_state, batch):
+    BODY_RUNS[0] += 1
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+    updates, opt_state = _TX.update(g, opt_state)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss
+
+
+def _renamed(params, opt_state, batch):
+    BODY_RUNS[0] += 1
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+    updates, new_opt_state = _TX.update(g, opt_state)
+    new_params = optax.apply_updates(params, updates)
+    return new_params, new_opt_state, loss
+
+
+_TX = optax.sgd(0.1)
+
+
+@claim(
+    PAGE,
+    "where it matches nothing new (a batch tuple that only could have been state), the call "
+    "compiles that very trace, and the step is traced once, as under `jax.jit`",
+)
+@pytest.mark.parametrize("num_steps", [1, K])
+def test_an_evaluation_that_matches_nothing_new_is_the_programs_trace(num_steps):
+    params = {"w": jnp.ones((3, 2))}
+    opt_state = _TX.init(params)
+    batch = data(num_steps, 4, 3), data(num_steps, 4, 2)
+    if num_steps == 1:
+        batch = batch[0][0], batch[1][0]
+    step = autoflat.step(_counted, num_steps=num_steps)
+    BODY_RUNS[0] = 0
+    p, o, loss = step(params, opt_state, batch)
+    assert BODY_RUNS[0] == 1 and autoflat.stats(step).traces == 1  # one trace, as jax.jit
+    assert role_line(step, "batch").startswith("scanned (per-step")
+    ref, ref_opt = params, opt_state
+    bs = [batch] if num_steps == 1 else [(batch[0][i], batch[1][i]) for i in range(num_steps)]
+    for b in bs:
+        ref, ref_opt, ref_loss = jax.jit(_counted)(ref, ref_opt, b)
+    tree_allclose(p, ref)
+    tree_allclose(o, ref_opt)
+
+
+@claim(
+    PAGE,
+    "where it matches state returned under another name, the program of the roles it settles "
+    "is traced too",
+)
+def test_state_matched_under_another_name_traces_its_program_too():
+    params = {"w": jnp.ones((3, 2))}
+    opt_state = _TX.init(params)
+    step = autoflat.step(_renamed)
+    BODY_RUNS[0] = 0
+    p, o, _ = step(params, opt_state, (jnp.ones((4, 3)), jnp.zeros((4, 2))))
+    assert role_line(step, "params").startswith("state (matched by value")
+    assert BODY_RUNS[0] == 2 and autoflat.stats(step).traces == 1
+    BODY_RUNS[0] = 0
+    step(p, o, (jnp.ones((4, 3)), jnp.zeros((4, 2))))
+    assert BODY_RUNS[0] == 0  # compiled once, kept
