@@ -3341,20 +3341,22 @@ def test_bad_option_names_fail_at_decoration(options):
 BODY_RUNS = [0]
 
 
-def _counted(params, opt_state, batch):
+def _sgd_updates(params, opt_state, batch):
     BODY_RUNS[0] += 1
     x, y = batch
     loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
     updates, opt_state = _TX.update(g, opt_state)
+    return updates, opt_state, loss
+
+
+def _counted(params, opt_state, batch):
+    updates, opt_state, loss = _sgd_updates(params, opt_state, batch)
     params = optax.apply_updates(params, updates)
     return params, opt_state, loss
 
 
 def _renamed(params, opt_state, batch):
-    BODY_RUNS[0] += 1
-    x, y = batch
-    loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
-    updates, new_opt_state = _TX.update(g, opt_state)
+    updates, new_opt_state, loss = _sgd_updates(params, opt_state, batch)
     new_params = optax.apply_updates(params, updates)
     return new_params, new_opt_state, loss
 
