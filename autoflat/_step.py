@@ -44,7 +44,8 @@ from ._runtime.diagnostics import Diagnostics, Stats
 from ._runtime.entry import entry, jitted, landed, relinked
 from ._runtime.finish import finish, hand_over
 from ._runtime.launch import check_pending, launch, note_recoverable, runner
-from ._runtime.program import Program, Programs, SpecCache
+from ._runtime.program import Program, Programs
+from ._runtime.specs import SpecCache
 from ._runtime.stages import Lowered, Traced
 from ._transport.layout import PackMode
 from ._transport.structure import Structure

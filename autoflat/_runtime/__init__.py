@@ -1,6 +1,7 @@
 """The call runtime: a call of a decorated step, from its arguments to its results.
 
-Owns programs and the spec cache (`program`), a method instance's part of a spec's key
+Owns programs (`program`), call specs and the spec cache (`specs`), a first call's trial trace
+that serves its roles' abstract evaluation (`trial`), a method instance's part of a spec's key
 (`instance`), the helpers generated code calls inside the trace (`tracing`), the traced entry
 and the `jax.jit`s (`entry`), the call path before the launch (`call`: bind, take in state) and
 after it (`finish`), the launch itself (`launch`: donation, interrupts, errors pointed at the

@@ -50,7 +50,8 @@ from .._transport.structure import (
     placement_of,
 )
 from .instance import instance_attributes
-from .program import CallSpec, Program
+from .program import Program
+from .specs import CallSpec
 
 
 class Call:

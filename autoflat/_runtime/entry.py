@@ -9,7 +9,7 @@ leaves as the step gives it back (the next call compiles again where `jax.jit`'s
 returns its result flat (`flat_result`; `landed` rebuilds it on the host). `relinked` is the
 host-side counterpart for shared Variables; `calls_back` finds host callbacks in a traced
 program (`_launch` runs those without donation). At one step a call, `entry` hands the step's
-return to `tracing.captured`, which a first call's trial reads (`_runtime.program`); a scan
+return to `tracing.captured`, which a first call's trial reads (`_runtime.trial`); a scan
 hands each step's in `tracing`.
 """
 
@@ -30,7 +30,7 @@ from .._transport import segments as _segments
 from .._transport import wholes as _wholes
 from .._transport.structure import FlatState, pinned, strongly_typed
 from .diagnostics import Stats
-from .program import CallSpec
+from .specs import CallSpec
 from .tracing import captured, linking
 
 

@@ -18,7 +18,7 @@ from .._handles.lazy import LazyHandle, new_handle, register_with_flax
 from .._transport.structure import FlatState, placement_of
 from .call import Call
 from .entry import relinked
-from .program import CallSpec
+from .specs import CallSpec
 
 
 def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any) -> Any:

@@ -32,7 +32,7 @@ from .._handles.lazy import LazyHandle
 from .._transport.structure import is_array
 from .entry import calls_back
 from .entry import landed as landed_result
-from .program import CallSpec
+from .specs import CallSpec
 
 if TYPE_CHECKING:
     from .call import Call

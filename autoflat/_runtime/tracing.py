@@ -10,7 +10,7 @@ carries it promoted to that dtype from the first step.
 
 `capturing(spec)` records, while `spec` is traced, one step's return value as the user's step
 gives it, abstract (`_roles.abstract.abstract_return`): what a first call's role inference
-reads, taken from the program's own trace (`_runtime.program`).
+reads, taken from the program's own trace (`_runtime.trial`).
 """
 
 from __future__ import annotations
