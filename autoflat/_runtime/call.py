@@ -10,7 +10,7 @@ the caller's objects:
 - *state*, per argument, the first that applies: a Flax NNX object unchanged since this step's
   last call (`_nnx`: no graph traversal); an unconsumed lazy handle (its interned structure and
   leaf list as they are: no `tree_flatten`), or with `lazy=False` the object the step returned
-  last call standing for its handle (`_returned`: by identity, and a dict checked unchanged
+  last call standing for its handle (`returned`: by identity, and a dict checked unchanged
   with one `tree_flatten`); anything else is flattened once and its structure
   interned, then packed (`_transport`) or, with donation on, copied unless autoflat wrote those
   very buffers into this object and nothing else holds them (`_writeback.all_ours`), so the
@@ -25,8 +25,6 @@ the caller's objects:
 from __future__ import annotations
 
 import collections
-import operator
-import sys
 from typing import Any
 
 import jax
@@ -51,6 +49,7 @@ from .._transport.structure import (
 )
 from .instance import instance_attributes
 from .program import Program
+from .returned import returned
 from .specs import CallSpec
 
 
@@ -212,9 +211,9 @@ def _take_state(
             taken = _take_nnx_hit(step, call, hit, k)
         else:
             # lazy=False: the real object this step returned last call stands for its handle
-            # while it holds what it was built from (`_returned`).
+            # while it holds what it was built from (`returned`).
             pair = last.get(k) if last else None
-            ours = pair is not None and pair[0] is a and _returned(step, call, k, pair[1], a)
+            ours = pair is not None and pair[0] is a and returned(step, call, k, pair[1], a)
             if ours:
                 assert pair is not None
                 a = pair[1]
@@ -227,7 +226,7 @@ def _take_state(
                     layouts.append(a._af_layout)
                     donated.append(a)
                     handles[k] = a
-                    stats.fast_path += fresh  # (a dict checked by `_returned` was flattened)
+                    stats.fast_path += fresh  # (a dict checked by `returned` was flattened)
                     if firsts[k] is None:
                         firsts[k] = a._af_structure
                     continue
@@ -260,59 +259,6 @@ def _pack_mode(step: Any, call: Call, k: int) -> _transport.PackMode:
     """How state argument `k` travels (`_transport.mode_for`)."""
     written_back = any(j == k for j, _ in call.program.written_back_idx)
     return _transport.mode_for(step.pack, written_back)
-
-
-def _returned(step: Any, call: Call, k: int, h: LazyHandle, a: Any) -> bool:
-    """`lazy=False`: whether `a`, the object this step returned as state `k` last call, goes in
-    as its handle `h` (the fast path: `h`'s interned structure and buffers as they are).
-
-    Of immutable structure (an Equinox module, optax's tuples), always: it cannot have
-    changed (`_take_state` still refuses a consumed `h`). A mutable one (a dict) may have
-    been changed in place since: it is flattened, and goes in as `h` only while its tree and
-    every leaf, by identity, are still those it was built from, so no structure is interned
-    and no placement read again. Its arrays are the caller's too: they are copied before a
-    donating launch (`call.copies`) unless nothing else holds them (an array the caller kept
-    stays valid). Else `a` is taken as any other value (`_take_flattened`), its arrays still
-    ours to donate where unchanged (`_writeback.all_ours`). State written back into the
-    caller's objects (Flax NNX) is never taken here."""
-    structure = h._af_structure
-    if structure.immutable:
-        return True
-    if h._af_consumed_by or any(j == k for j, _ in call.program.written_back_idx):
-        return False
-    leaves, treedef = jax.tree_util.tree_flatten(a)
-    arrays = LazyHandle._af_leaf_arrays(h)
-    if treedef != structure.treedef or not all(
-        map(operator.is_, leaves, structure.all_leaves(arrays))
-    ):
-        # Changed in place: flattened again there, with the arrays it still holds ours.
-        _writeback.record_written(arrays, a)
-        return False
-    step._diag.stats.flattens += 1
-    if (
-        step.donate
-        and h._af_layout is None  # (packed, the buffers are not the caller's leaves)
-        and max(_refcounts(leaves, structure.array_positions), default=0) > _HELD_BY_US
-    ):
-        call.copies.append(k)
-    return True
-
-
-def _refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
-    return [sys.getrefcount(leaves[i]) for i in positions]
-
-
-def _calibrate() -> int:
-    """References to a leaf of a returned object that only it holds, as `_returned` counts
-    them: its container, the handle's list of arrays and the list of a flatten (counted by
-    the same function, so the interpreter's own references are in it)."""
-    leaf = object()
-    container_and_handle = [[leaf], [leaf]]
-    del leaf
-    return _refcounts(container_and_handle[1][:], (0,))[0]
-
-
-_HELD_BY_US = _calibrate()
 
 
 def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
@@ -397,7 +343,7 @@ def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHan
     the handle's own buffers are not (it stays valid after the call, as under `jax.jit`:
     `target = online` kept for a target network). `handles` gives, per state position, the
     handle donated for it: for a `lazy=False` object that stands for its handle
-    (`_returned`), the object given as a broadcast argument too is found as itself. (A
+    (`returned`), the object given as a broadcast argument too is found as itself. (A
     per-step array, the usual batch, holds no handle: not searched.)"""
     args, program = call.args, call.program
     in_xs = {

@@ -69,7 +69,7 @@ def _real_objects(step: Any, handles: list[Any]) -> None:
     """`lazy=False`: each handle becomes its real object, and what comes back next call is
     not taken in again from scratch: the object, by identity, stands for its handle
     (`step._last`), as it is where its structure is immutable, and while it holds what it
-    was built from where it is mutable (a dict, checked by `call._returned`). Nothing per
+    was built from where it is mutable (a dict, checked by `returned.returned`). Nothing per
     leaf is done here beyond the rebuild itself."""
     last = step._last
     last.clear()
