@@ -14,6 +14,11 @@ What this module relies on:
   `consts`; an equation's `primitive`, `params`, `invars`, `outvars`, `effects` and
   `ctx.manager`; a literal's `val` and `aval` (`equations`, `inputs`, `outputs`,
   `const_inputs`, `opened`, `value_of`, `literal_array`).
+- `jax._src.core.trace_ctx.trace`, `jax._src.interpreters.partial_eval`'s
+  `DynamicJaxprTrace.emit_eqn` and `DynamicJaxprTracer(trace, aval, literal, source_info)`,
+  `jax._src.source_info_util.current`, an equation's `source_info` and `ctx` (`emit`: an
+  equation copied into the jaxpr being traced, as `partial_eval.inline_jaxpr_into_trace`
+  copies a jit's; absent on JAX 0.4, where equations are bound again).
 - `Primitive.get_bind_params` (`bind`): on JAX 0.4 it gives `(subfunctions, params)`, on
   later JAX the params alone. `Primitive.bind` with an equation's own params for elementwise
   primitives (`apply`), and `Primitive.multiple_results`.
@@ -211,6 +216,61 @@ def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     with eqn.ctx.manager:
         outs = eqn.primitive.bind(*subfuns, *invals, **kwargs)
     return outs if eqn.primitive.multiple_results else [outs]
+
+
+def _emitter() -> Any:
+    """(the current trace, if it is a jaxpr trace that takes equations as they are; the
+    tracer class) on this JAX, or None."""
+    try:
+        from jax._src import core as _core
+        from jax._src import source_info_util
+        from jax._src.interpreters import partial_eval as pe
+    except ImportError:  # pragma: no cover - a JAX without them
+        return None
+    trace_type = getattr(pe, "DynamicJaxprTrace", None)
+    tracer_type = getattr(pe, "DynamicJaxprTracer", None)
+    ctx = getattr(_core, "trace_ctx", None)
+    if trace_type is None or tracer_type is None or ctx is None:
+        return None  # pragma: no cover
+    if not hasattr(trace_type, "emit_eqn"):
+        return None  # pragma: no cover - JAX 0.4
+    return ctx, trace_type, tracer_type, source_info_util
+
+
+_EMITTER = _emitter()
+
+
+def can_emit() -> bool:
+    """Whether `emit` can copy equations on this JAX (not on JAX 0.4)."""
+    return _EMITTER is not None
+
+
+def emit(eqn: Any, env: dict[Any, Any]) -> list[Any] | None:
+    """An equation of a traced jaxpr copied as it is into the jaxpr being traced now, on the
+    values of its operands in `env`: its outputs, as `bind` gives them, without running its
+    abstract evaluation again; None where it cannot be copied (operands of another trace or
+    of other abstract values than the equation's, effects, no jaxpr trace)."""
+    if _EMITTER is None or eqn.effects:
+        return None
+    ctx, trace_type, tracer_type, source_info_util = _EMITTER
+    trace = ctx.trace
+    if type(trace) is not trace_type:
+        return None
+    here = source_info_util.current()
+    src = eqn.source_info.replace(name_stack=here.name_stack + eqn.source_info.name_stack)
+    tracers = []
+    for v in eqn.invars:
+        if isinstance(v, Literal):
+            tracers.append(tracer_type(trace, v.aval, v, src))
+            continue
+        x = env[v]
+        if type(x) is not tracer_type or x._trace is not trace or x.aval != v.aval:
+            return None
+        tracers.append(x)
+    out_avals = [v.aval for v in eqn.outvars]
+    return trace.emit_eqn(  # type: ignore[no-any-return]
+        tracers, out_avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx
+    )
 
 
 def apply(prim: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

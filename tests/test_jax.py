@@ -162,6 +162,42 @@ def test_bind_replays_every_equation():
     np.testing.assert_allclose(got[0], nested(jnp.float32(0.5)), rtol=1e-6)
 
 
+def _emitted(closed, x):
+    """`closed` copied equation by equation into the trace of the caller with `_jax.emit`,
+    on input `x`; None where an equation is refused."""
+    jaxpr, consts = _jax.opened(closed)
+    env = dict(zip(_jax.const_inputs(jaxpr), consts, strict=True))
+    env[_jax.inputs(jaxpr)[0]] = x
+    for eqn in _jax.equations(jaxpr):
+        outs = _jax.emit(eqn, env)
+        if outs is None:
+            return None
+        for v, y in zip(_jax.outputs(eqn), outs, strict=True):
+            env[v] = y
+    return [_jax.literal_array(v) if _jax.is_literal(v) else env[v] for v in _jax.outputs(jaxpr)]
+
+
+def test_emit_copies_equations_into_the_current_trace_as_they_are():
+    closed = jax.make_jaxpr(nested)(jnp.float32(1.0))
+    if not _jax.can_emit():
+        pytest.skip("this JAX has no jaxpr trace that takes equations as they are")
+    copied = jax.make_jaxpr(lambda x: _emitted(closed, x))(jnp.float32(1.0))
+    names = [_jax.name(e) for e in _jax.equations(closed)]
+    assert [_jax.name(e) for e in _jax.equations(copied)] == names
+    assert copied.out_avals == closed.out_avals
+    got = jax.jit(lambda x: _emitted(closed, x))(jnp.float32(0.5))
+    np.testing.assert_allclose(got[0], nested(jnp.float32(0.5)), rtol=1e-6)
+
+
+def test_emit_refuses_values_it_cannot_copy_an_equation_onto():
+    closed = jax.make_jaxpr(nested)(jnp.float32(1.0))
+    assert _emitted(closed, jnp.float32(0.5)) is None  # no trace: run, not traced
+    seen = []
+    jax.make_jaxpr(lambda x: seen.append(_emitted(closed, x)))(jnp.float16(1.0))  # other dtype
+    jax.make_jaxpr(lambda x: seen.append(_emitted(closed, x)))(1.0)  # weakly typed
+    assert seen == [None, None]
+
+
 def test_apply_binds_an_elementwise_primitive_with_its_parameters():
     closed = jax.make_jaxpr(lambda x: jax.lax.integer_pow(x, 3))(2.0)
     eqn = _eqn(closed, "integer_pow")

@@ -29,7 +29,9 @@ with no parameter naming a shape or a position (`_ELEMENTWISE`); then computing 
 inside the whole buffer gives the same values as computing it alone. XLA simplifies a
 whole-buffer computation otherwise than a per-leaf one (`a / b / c` into `a / (b * c)` in
 one, not the other), so results can differ in the last bits from the flat transport's.
-Everything else runs as traced.
+Everything else runs as traced: an equation with no view among its operands is copied into
+the program's jaxpr as it is (`_jax.emit`: no abstract evaluation again, so a packed step
+costs little more to trace than a flat one), or bound again where it cannot be copied.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ class Interpreter:
         for v, x in zip(_jax.inputs(jaxpr), args, strict=True):
             env[v] = x
         for eqn in _jax.equations(jaxpr):
+            outs = _jax.emit(eqn, env)
+            if outs is not None:
+                for v, x in zip(_jax.outputs(eqn), outs, strict=True):
+                    env[v] = x
+                continue
             invals = [_jax.value_of(env, v) for v in _jax.inputs(eqn)]
             outs = None
             if any(type(x) is View for x in invals):
