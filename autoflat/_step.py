@@ -47,6 +47,7 @@ from ._runtime.launch import check_pending, launch, note_recoverable, runner
 from ._runtime.program import Program, Programs
 from ._runtime.specs import SpecCache
 from ._runtime.stages import Lowered, Traced
+from ._runtime.trial import maker as trial_maker
 from ._transport.layout import PackMode
 from ._transport.structure import Structure
 
@@ -113,22 +114,13 @@ class Step:
         if not (pack is False or pack is True or pack == "auto"):
             raise error(OptionError, BAD_PACK, analysis, value=pack)
         params = analysis.param_names
-        instance = None
-        if (
-            params
-            and params[0] in ("self", "cls")
-            and params[0] not in state_ | static_ | broadcast_
-        ):
-            # A method: the instance is the same for every step (its arrays, if it is a pytree,
-            # are broadcast; anything else is static).
-            instance = params[0]
         options = Options(
             state=state_,
             broadcast=broadcast_,
             static=static_,
             per_step=per_step_,
             state_at=state_at,
-            instance=instance,
+            instance=_instance_param(params, state_ | static_ | broadcast_),
             bound=_bound_names(self._bound, params),
         )
         self.num_steps = num_steps
@@ -150,6 +142,7 @@ class Step:
         # Checks the options against the source and makes the program from the source alone,
         # so bad options and returns fail at decoration.
         self._programs = Programs(analysis, options, self._user_fn, num_steps)
+        self._trial = trial_maker(self)  # first-call trials (`_runtime.trial`)
         # (Renews the jits, so JAX lets go of programs of instances since freed: `SpecCache`.)
         self._specs = SpecCache(analysis, num_steps, unroll, pack, _renewer(self))
         # Identity caches (docs/how-it-works.md lists them with what invalidates each):
@@ -298,6 +291,14 @@ class Step:
         if obj is None:
             return self
         return functools.partial(self, obj)
+
+
+def _instance_param(params: tuple[str, ...], named: set[str] | frozenset[str]) -> str | None:
+    """A method's instance parameter (`self`, `cls`) unless an option names it: the same
+    for every step (its arrays, if it is a pytree, are broadcast; anything else is static)."""
+    if params and params[0] in ("self", "cls") and params[0] not in named:
+        return params[0]
+    return None
 
 
 def _renewer(step: Step) -> Callable[[], None]:

@@ -141,7 +141,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     """Everything the launch needs, from the call's arguments (see the module doc)."""
     if kwargs or len(args) != step._n_params:
         args = bind(step, args, kwargs)
-    program, to_array, firsts = step._programs.for_args(args, step._may_mutate, step)
+    program, to_array, firsts = step._programs.for_args(args, step._may_mutate, step._trial)
     call = Call()
     call.args = args
     call.program = program
@@ -213,7 +213,11 @@ def _take_state(
             # lazy=False: the real object this step returned last call stands for its handle
             # while it holds what it was built from (`returned`).
             pair = last.get(k) if last else None
-            ours = pair is not None and pair[0] is a and returned(step, call, k, pair[1], a)
+            ours = (
+                pair is not None
+                and pair[0] is a
+                and returned(step, program, call.copies, k, pair[1], a)
+            )
             if ours:
                 assert pair is not None
                 a = pair[1]

@@ -3,14 +3,14 @@
 A `Program` is one generated, loaded function for one set of roles (`Programs` keeps a step's
 programs: the one from the source and options, and one per set of Flax NNX modules that a
 call passes as per-step inputs). `Programs.for_args` settles the roles of a call's argument
-types once (`_roles.infer`) and keeps the resulting `specs.Plan`; a first call's abstract
+types once (`_roles.infer`) and keeps the resulting `Plan`; a first call's abstract
 evaluation of one step is served by a trial trace of the program (`trial.Trial`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from .._analysis.analysis import Analysis
 from .._codegen import loading as _loading
@@ -18,10 +18,8 @@ from .._codegen.generate import GeneratedCode, generate
 from .._handles.lazy import LazyHandle
 from .._roles.abstract import one_step_from
 from .._roles.infer import arg_kinds, infer
-from .._roles.roles import Options, Roles, assign_roles
-from .specs import Plan
+from .._roles.roles import Options, Role, Roles, assign_roles
 from .tracing import HELPERS
-from .trial import Trial
 
 
 class Program:
@@ -131,32 +129,29 @@ class Programs:
             )
         return program
 
-    def for_args(self, args: tuple[Any, ...], may_mutate: bool, step: Any = None) -> Plan:
+    def for_args(
+        self, args: tuple[Any, ...], may_mutate: bool, trial: TrialMaker | None = None
+    ) -> Plan:
         """The plan for a call: roles are inferred at the first call with arguments of these
-        types (`_infer`) and kept for every later one. Given the `step` calling, an abstract
-        evaluation that the inference asks for comes from a trace of the program the call
-        will run, where it can (`trial.Trial`)."""
+        types (`_infer`) and kept for every later one. An abstract evaluation that the
+        inference asks for comes from the trial `trial(self, args, may_mutate)` makes, where
+        it can (`trial.Trial`)."""
         key = (arg_kinds(args, LazyHandle), may_mutate)
         plan = self._plans.get(key)
         if plan is None:
-            trial = None if step is None else Trial(self, step, args, may_mutate)
+            made = None if trial is None else trial(self, args, may_mutate)
             try:
-                with one_step_from(None if trial is None else trial.serve):
+                with one_step_from(None if made is None else made.serve):
                     inferred = infer(
-                        self.analysis,
-                        self.options,
-                        self.num_steps,
-                        self.user_fn,
-                        args,
-                        may_mutate,
+                        self.analysis, self.options, self.num_steps, self.user_fn, args, may_mutate
                     )
                 program = self.get(inferred.roles)
             except BaseException:
-                if trial is not None:
-                    trial.settle(None, ())
+                if made is not None:
+                    made.settle(None, ())
                 raise
-            if trial is not None:
-                trial.settle(program, inferred.to_array)
+            if made is not None:
+                made.settle(program, inferred.to_array)
             plan = self._plans[key] = Plan(
                 program, inferred.to_array, [None] * len(inferred.roles.state)
             )
@@ -172,3 +167,33 @@ class Programs:
 
     def all(self) -> list[Program]:
         return list(self._by_roles.values())
+
+
+class Trial(Protocol):
+    """What `Programs.for_args` asks of a first call's trial (`trial.Trial`)."""
+
+    def serve(
+        self, fn: Callable[..., Any], values: dict[str, Any], roles: dict[str, Role], n: int
+    ) -> tuple[Any] | None: ...
+
+    def settle(self, program: Program | None, to_array: tuple[tuple[int, ...], ...]) -> None: ...
+
+
+# (programs, args, may_mutate) -> the call's trial
+TrialMaker = Callable[["Programs", tuple[Any, ...], bool], Trial]
+
+
+class Plan(NamedTuple):
+    """What the first call with arguments of some types settled for every later one.
+
+    - `program`: the generated program;
+    - `to_array`: per state position, the leaves that are Python scalars at the first call
+      and become arrays (`_scalars.scalars_to_array`);
+    - `firsts`: per state position, the structure of the first call's value (set by that
+      call): a later value of the same tree with a Python number where the first had an
+      array has it made an array again (`_call._take_state`).
+    """
+
+    program: Program
+    to_array: tuple[tuple[int, ...], ...]
+    firsts: list[Any]

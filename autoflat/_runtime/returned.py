@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import operator
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from .._handles import writeback as _writeback
 from .._handles.lazy import LazyHandle
-
-if TYPE_CHECKING:
-    from .call import Call
+from .program import Program
 
 
-def returned(step: Any, call: Call, k: int, h: LazyHandle, a: Any) -> bool:
+def returned(step: Any, program: Program, copies: list[int], k: int, h: LazyHandle, a: Any) -> bool:
     """`lazy=False`: whether `a`, the object this step returned as state `k` last call, goes in
     as its handle `h` (the fast path: `h`'s interned structure and buffers as they are).
 
@@ -30,14 +28,14 @@ def returned(step: Any, call: Call, k: int, h: LazyHandle, a: Any) -> bool:
     been changed in place since: it is flattened, and goes in as `h` only while its tree and
     every leaf, by identity, are still those it was built from, so no structure is interned
     and no placement read again. Its arrays are the caller's too: they are copied before a
-    donating launch (`call.copies`) unless nothing else holds them (an array the caller kept
+    donating launch (`copies`: the call's) unless nothing else holds them (an array the caller kept
     stays valid). Else `a` is taken as any other value (`call._take_flattened`), its arrays still
     ours to donate where unchanged (`_writeback.all_ours`). State written back into the
     caller's objects (Flax NNX) is never taken here."""
     structure = h._af_structure
     if structure.immutable:
         return True
-    if h._af_consumed_by or any(j == k for j, _ in call.program.written_back_idx):
+    if h._af_consumed_by or any(j == k for j, _ in program.written_back_idx):
         return False
     leaves, treedef = jax.tree_util.tree_flatten(a)
     arrays = LazyHandle._af_leaf_arrays(h)
@@ -53,7 +51,7 @@ def returned(step: Any, call: Call, k: int, h: LazyHandle, a: Any) -> bool:
         and h._af_layout is None  # (packed, the buffers are not the caller's leaves)
         and max(_refcounts(leaves, structure.array_positions), default=0) > _HELD_BY_US
     ):
-        call.copies.append(k)
+        copies.append(k)
     return True
 
 

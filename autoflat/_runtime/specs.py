@@ -3,8 +3,7 @@
 A `CallSpec` is everything static about a call: the program, the structures, placements and
 layouts of the state, the broadcast structures, the static arguments. It is interned by
 `SpecCache` and is the static argument of the step's single `jax.jit` of `entry.entry`, so
-JAX's own cache gives one compile per distinct (spec, input shapes). A `Plan` is what the
-first call with arguments of some types settled for every later one.
+JAX's own cache gives one compile per distinct (spec, input shapes).
 
 A method step's instance that is a plain object (not a pytree) is part of its specs' keys,
 held weakly (`instance.Instance`); when it is freed, its specs leave the cache (`_freed`).
@@ -15,7 +14,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 from .._analysis.analysis import Analysis
 from .._errors import UNHASHABLE_STATIC, CallError, Location, error
@@ -23,25 +22,7 @@ from .._handles.nnx import Link
 from .._transport.layout import Layout, PackMode
 from .._transport.structure import Placement, Structure
 from .instance import Instance
-
-if TYPE_CHECKING:
-    from .program import Program
-
-
-class Plan(NamedTuple):
-    """What the first call with arguments of some types settled for every later one.
-
-    - `program`: the generated program;
-    - `to_array`: per state position, the leaves that are Python scalars at the first call
-      and become arrays (`_scalars.scalars_to_array`);
-    - `firsts`: per state position, the structure of the first call's value (set by that
-      call): a later value of the same tree with a Python number where the first had an
-      array has it made an array again (`_call._take_state`).
-    """
-
-    program: Program
-    to_array: tuple[tuple[int, ...], ...]
-    firsts: list[Any]
+from .program import Program
 
 
 class CallSpec:

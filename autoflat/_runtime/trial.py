@@ -11,8 +11,9 @@ it would have.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._handles.lazy import LazyHandle
 from .._handles.writeback import is_mutable_module
@@ -20,11 +21,9 @@ from .._roles.roles import Role, Roles, assign_roles
 from .._roles.rules import Call, defaulted
 from .._transport.layout import host_layout, mode_for, pack_on_device
 from .._transport.structure import flatten, is_array, placement_of
+from .program import Program, Programs
 from .specs import CallSpec
 from .tracing import capturing
-
-if TYPE_CHECKING:
-    from .program import Program, Programs
 
 
 class Trial:
@@ -39,9 +38,9 @@ class Trial:
     inputs it can make as `_runtime.call.prepare` makes them (`dry_call`): no handle, no
     Flax NNX object or other state written back, no method's instance, no `lazy=False`
     objects. `settle` keeps the trace if the inference settled on those roles, else undoes
-    it."""
+    it. A step makes its trials with `maker`."""
 
-    def __init__(self, programs: Programs, step: Any, args: tuple[Any, ...], may_mutate: bool):
+    def __init__(self, programs: Programs, args: tuple[Any, ...], may_mutate: bool, step: Any):
         self.programs, self.step, self.args, self.may_mutate = programs, step, args, may_mutate
         self.asked = False  # whether the tentative roles were made
         self.roles: Roles | None = None  # the tentative roles, where a trial can be made
@@ -166,3 +165,8 @@ def dry_call(
     )
     xs = tuple(args[i] for i in program.scanned_idx)
     return spec, (tuple(leaves), xs, tuple(a for _, a in broadcast))
+
+
+def maker(step: Any) -> Callable[[Programs, tuple[Any, ...], bool], Trial]:
+    """What makes the first-call trials of `step` (`Programs.for_args`)."""
+    return functools.partial(Trial, step=step)
