@@ -44,11 +44,25 @@ class InterruptAt:
 
     def __enter__(self) -> InterruptAt:
         self._previous = sys.gettrace()
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         sys.settrace(self._call)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(self._previous)
+        sys.unraisablehook = self._previous_hook
+
+    def _unraisable(self, info: Any) -> None:
+        """The interrupt landed in code the garbage collector ran (a weak reference's
+        finalizer: `_codegen.loading._forget`), where Python prints an exception and drops
+        it, as it would a real Ctrl-C there: armed again, for the next line."""
+        if isinstance(info.exc_value, KeyboardInterrupt) and self.fired:
+            self.where = None
+            self.n = self.count + 1
+            sys.settrace(self._call)
+            return
+        self._previous_hook(info)
 
     def _call(self, frame: Any, event: str, arg: Any) -> Any:
         return self._line if frame.f_code.co_filename.startswith(PACKAGE) else None
