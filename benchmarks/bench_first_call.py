@@ -13,7 +13,9 @@ round-robin, the order rotating every repeat:
 - `autoflat_1`: `autoflat.step(update)` at its defaults (one step a call, `pack="auto"`,
   donation);
 - `scan`: `jax.jit` of a hand-written `lax.scan` of the same step over 10 batches;
-- `autoflat_10`: `autoflat.step(update, num_steps=10)`, the same 10 batches.
+- `autoflat_10`: `autoflat.step(update, num_steps=10)`, the same 10 batches;
+- `flat_1`, `flat_10` (only when `--methods` names them): as `autoflat_1` and `autoflat_10`
+  with `pack=False`, one buffer per leaf.
 
 Reported: per model and method the median first call and its spread, the ratios autoflat
 `num_steps=1` / `jax.jit` and autoflat `num_steps=10` / the scan, and where each first call's
@@ -53,7 +55,10 @@ if os.environ.get(_COMPARE := "AUTOFLAT_FIRST_CALL_FROM"):
 from benchmarks import harness  # noqa: E402
 
 METHODS = ("jit", "autoflat_1", "scan", "autoflat_10")
+FLAT = ("flat_1", "flat_10")  # (`--methods` only)
 LABELS = {
+    "flat_1": "autoflat num_steps=1, pack=False",
+    "flat_10": "autoflat num_steps=10, pack=False",
     "jit": "jax.jit, 1 step",
     "autoflat_1": "autoflat num_steps=1",
     "scan": "jax.jit(lax.scan), 10 steps",
@@ -73,6 +78,14 @@ _EVENTS = {
 # ==========================================================================================
 
 
+def _steps(method: str) -> int:
+    return SCAN_STEPS if method in ("scan", "autoflat_10", "flat_10") else 1
+
+
+def _is_autoflat(method: str) -> bool:
+    return method.startswith(("autoflat", "flat"))
+
+
 def _equinox_callable(key: str, method: str) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
     """(a function building the callable, state, one call's batch args) of an Equinox-style
     model (a-d)."""
@@ -84,10 +97,11 @@ def _equinox_callable(key: str, method: str) -> tuple[Any, tuple[Any, ...], tupl
     model, batch, loss_fn = bench_zoo.CASES[key][1](False)
     update = models.make_update(loss_fn)
     opt_state = models.tx.init(eqx.filter(model, eqx.is_array))
-    k = SCAN_STEPS if method in ("scan", "autoflat_10") else 1
+    k = _steps(method)
     batches = (batch,) if k == 1 else (harness.repeat(batch, k),)
-    if method.startswith("autoflat"):
-        return lambda: autoflat.step(update, num_steps=k), (model, opt_state), batches
+    if _is_autoflat(method):
+        pack: Any = "auto" if method.startswith("autoflat") else False
+        return lambda: autoflat.step(update, num_steps=k, pack=pack), (model, opt_state), batches
     # `jax.jit` of the step: a model with non-array leaves (activations) split once, outside.
     params, static = eqx.partition(model, eqx.is_array)
 
@@ -118,11 +132,12 @@ def _nnx_callable(method: str) -> tuple[Any, tuple[Any, ...], tuple[Any, ...]]:
     from benchmarks import nnx_models
 
     s = nnx_models.Setup(width=2, batch_size=4, image_size=16, batchnorm=False)
-    k = SCAN_STEPS if method in ("scan", "autoflat_10") else 1
+    k = _steps(method)
     xy = s.args if k == 1 else harness.repeat(s.args, k)
     model, optimizer = s.fresh()
-    if method.startswith("autoflat"):
-        step = lambda: autoflat.step(nnx_models.train_step, num_steps=k)  # noqa: E731
+    if _is_autoflat(method):
+        pack: Any = "auto" if method.startswith("autoflat") else False
+        step = lambda: autoflat.step(nnx_models.train_step, num_steps=k, pack=pack)  # noqa: E731
         return step, (model, optimizer), xy
     graphdef, state = nnx.split((model, optimizer))
 
@@ -244,7 +259,7 @@ def run_model(
 
 def _reference(method: str) -> str:
     """What an autoflat method is compared with: `jit` at one step, `scan` at ten."""
-    return "jit" if method.partition("@")[0] == "autoflat_1" else "scan"
+    return "jit" if method.partition("@")[0] in ("autoflat_1", "flat_1") else "scan"
 
 
 def summarize(key: str, found: dict[str, list[Any]]) -> dict[str, Any]:
@@ -269,7 +284,7 @@ def summarize(key: str, found: dict[str, list[Any]]) -> dict[str, Any]:
         }
     for method, row in rows.items():
         ref = rows.get(_reference(method), {})
-        if method.startswith("autoflat") and "first_call_s" in row and "first_call_s" in ref:
+        if _is_autoflat(method) and "first_call_s" in row and "first_call_s" in ref:
             row["ratio"] = row["first_call_s"]["median"] / ref["first_call_s"]["median"]
     return {"model": f"{key}. {bench_zoo.CASES[key][0]}", "rows": rows}
 
@@ -289,9 +304,13 @@ def _ratio(res: dict[str, Any], method: str) -> str:
 
 def render(results: list[dict[str, Any]], env: list[str], command: str, names: list[str]) -> str:
     lines = ["# First calls: autoflat against jax.jit", "", f"`{command}`", "", *env, ""]
+    # extra column pairs: (label, the method of a row's autoflat method)
+    extra = [(name, lambda mine, name=name: f"{mine}@{name}") for name in names]
+    if any(m in FLAT for res in results for m in res["rows"]):
+        extra.append(("pack=False", lambda mine: mine.replace("autoflat", "flat")))
     header = ["model", "steps a call", "jax.jit s", "autoflat s", "× jax.jit"]
-    for name in names:
-        header += [f"{name} s", "× jax.jit"]
+    for label, _ in extra:
+        header += [f"{label} s", "× jax.jit"]
     body = []
     for res in results:
         for k, ref, mine in ((1, "jit", "autoflat_1"), (10, "scan", "autoflat_10")):
@@ -299,9 +318,9 @@ def render(results: list[dict[str, Any]], env: list[str], command: str, names: l
                 continue
             body.append([res["model"], str(k), _cell(res, ref), _cell(res, mine)])
             body[-1] += [_ratio(res, mine)]
-            for name in names:
-                body[-1] += [_cell(res, f"{mine}@{name}"), _ratio(res, f"{mine}@{name}")]
-    lines += harness.table(header, "lrrrr" + "rr" * len(names), body)
+            for _, method_of in extra:
+                body[-1] += [_cell(res, method_of(mine)), _ratio(res, method_of(mine))]
+    lines += harness.table(header, "lrrrr" + "rr" * len(extra), body)
     lines += [
         "",
         "At 10 steps a call, `jax.jit` is of a hand-written `lax.scan` of the step.",
@@ -343,7 +362,7 @@ def run(args: Any, script: str) -> None:
     repeats = args.repeats or (3 if args.quick else 7)
     methods = tuple(m for m in args.methods.split(",") if m)
     compare = dict(c.split("=", 1) for c in args.compare)
-    autoflats = [m for m in methods if m.startswith("autoflat")]
+    autoflats = [m for m in methods if _is_autoflat(m)]
     methods += tuple(f"{m}@{name}" for name in compare for m in autoflats)
     machine, versions = harness.machine(), harness.versions()
     harness.log("\n".join(harness.environment_lines(machine, versions)))
