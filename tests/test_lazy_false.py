@@ -16,23 +16,13 @@ import numpy as np
 import optax
 import pytest
 from helpers import tree_allclose
+from test_other_trees import _dict_step, tx  # the same dict step and Adam
 
 import autoflat
 from autoflat._handles import writeback
 from autoflat._runtime import call as call_module
 
-tx = optax.adam(1e-2)
 X = jax.random.normal(jax.random.key(1), (4, 2))
-
-
-def _dict_step(params, opt_state, x):
-    def loss_fn(p):
-        return jnp.mean((x @ p["w"] + p["b"]) ** 2)
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, loss
 
 
 def _eqx_step(model, opt_state, x):
