@@ -302,6 +302,21 @@ def test_packed_leaves_compile_to_the_kernels_of_flat_leaves():
     assert packed_count <= flat_count + 10  # the repack's concatenates: a handful
 
 
+def test_a_repack_of_few_leaves_is_one_concatenate_of_many_in_runs():
+    # XLA:CPU compiles every concatenate of the repack as a kernel of its own: a group of a
+    # few dozen leaves is repacked in one (one kernel), a larger one in runs (each a kernel
+    # LLVM schedules in linear time), then the runs.
+    def concatenates(n):
+        shapes = [(32,)] * n  # 128 bytes each: 64 of them, `_ONE_BLOCK_BYTES`
+        layout = _transport.layout_for([(s, jnp.float32) for s in shapes], [False] * n, True)
+        repack = lambda b: _transport.pack(layout, _transport.unpack(layout, [b * 2]))  # noqa: E731
+        jaxpr = jax.make_jaxpr(repack)(jnp.zeros(32 * n)).jaxpr
+        return sum(e.primitive.name == "concatenate" for e in jaxpr.eqns)
+
+    assert concatenates(_transport._ONE_BLOCK_PARTS) == 1
+    assert concatenates(_transport._ONE_BLOCK_PARTS + 1) > 2
+
+
 def test_handles_over_packed_state_behave_as_before(monkeypatch):
     step = autoflat.step(update, pack=True)
     params, opt_state, _ = step(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))

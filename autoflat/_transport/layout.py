@@ -91,6 +91,15 @@ AUTO_MIN_LEAVES = 32
 _FUSED_RUN = 8
 _RUN_BYTES = 2048
 _INLINE_BYTES = 256
+# ... unless there are at most `_ONE_BLOCK_PARTS` parts of at most `_ONE_BLOCK_BYTES` such
+# bytes in all: then one concatenate is one kernel, where runs are a kernel each (XLA:CPU
+# compiles them one by one even where identical). Compile time on a 2-core machine, CPU
+# seconds, medians of 5 processes taken round-robin: the small transformer of
+# benchmarks/bench_zoo.py (2 groups of 53 leaves, 7 KB each) 4.74 s in one concatenate
+# against 5.26 s in runs (4.54 s with a buffer per leaf); the narrow ResNet (2 groups of 162
+# leaves, 7 KB each) 3.74 s against 3.66 s, so many parts stay in runs.
+_ONE_BLOCK_PARTS = 64
+_ONE_BLOCK_BYTES = 8192
 # Offsets the unpack's gather indices (int32) can hold; a larger buffer is sliced statically.
 _MAX_GATHER_OFFSET = 2**31 - 2
 
@@ -239,10 +248,11 @@ def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
     operand with a `memcpy`, all in one basic block; LLVM expands small copies inline and its
     instruction scheduling is quadratic in the size of a block (1,000 leaves of 8 floats took
     about a second). So the parts are concatenated in runs of about `_RUN_BYTES` of such
-    copies, then the runs, passed through an optimization barrier: else XLA merges nested
-    concatenates back into one, or fuses a concatenate of at most 8 runs into one kernel of
-    unrolled copy loops (the runs were reshaped between 1-D and 2-D before, which XLA fused:
-    0.1 s more compile time for the tiny MLP of benchmarks/bench_zoo.py). Every run keeps
+    copies (unless they are few, `_ONE_BLOCK_PARTS`), then the runs, passed through an
+    optimization barrier: else XLA merges nested concatenates back into one, or fuses a
+    concatenate of at most 8 runs into one kernel of unrolled copy loops (the runs were
+    reshaped between 1-D and 2-D before, which XLA fused: 0.1 s more compile time for the
+    tiny MLP of benchmarks/bench_zoo.py). Every run keeps
     more than 8 parts: XLA fuses a smaller concatenate with the computations that produce its
     operands, which changes how those compile (and their last bits). Parts that are the
     program's `inputs` (`pack_on_device`) are first concatenated 8 at a time:
@@ -253,23 +263,31 @@ def _concatenate(parts: list[Any], inputs: bool = False) -> Any:
             _reshaped(jax.lax.concatenate(parts[i : i + _FUSED_RUN], 0))
             for i in range(0, len(parts), _FUSED_RUN)
         ]
-    if len(parts) < 2 * (_FUSED_RUN + 1):
+    costs = [_inline_cost(p) for p in parts]
+    few = len(parts) <= _ONE_BLOCK_PARTS and sum(costs) <= _ONE_BLOCK_BYTES
+    if len(parts) < 2 * (_FUSED_RUN + 1) or few:
         return jax.lax.reshape(jax.lax.concatenate(parts, 0), (total,))
     runs: list[list[Any]] = [[]]
     cost = 0
-    for p in parts:
+    for p, c in zip(parts, costs, strict=True):
         if len(runs[-1]) > _FUSED_RUN and cost >= _RUN_BYTES:
             runs.append([])
             cost = 0
         runs[-1].append(p)
-        nbytes = p.shape[0] * p.dtype.itemsize
-        cost += nbytes if nbytes <= _INLINE_BYTES else _INLINE_BYTES // 4
+        cost += c
     if len(runs[-1]) <= _FUSED_RUN:
         last = runs.pop()
         runs[-1].extend(last)
     pieces = [jax.lax.concatenate(run, 0) for run in runs]
     pieces = list(jax.lax.optimization_barrier(pieces))
     return jax.lax.reshape(jax.lax.concatenate(pieces, 0), (total,))
+
+
+def _inline_cost(part: Any) -> int:
+    """The bytes of code a copy of `part` costs in a concatenate's kernel: small copies are
+    expanded inline, larger ones are a call."""
+    nbytes = part.shape[0] * part.dtype.itemsize
+    return nbytes if nbytes <= _INLINE_BYTES else _INLINE_BYTES // 4
 
 
 def _reshaped(x: Any) -> Any:
