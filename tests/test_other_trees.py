@@ -327,11 +327,11 @@ def test_lazy_false_under_auto_packing_travels_one_buffer_per_leaf(monkeypatch):
     """Real objects hold one array per leaf: under `pack="auto"` a `lazy=False` step's state
     is not packed (rebuilding from packed buffers would unpack them with a device call on
     every call); `pack=True` still packs it."""
-    from autoflat._transport import layout
+    from autoflat._transport import host
 
     unpacks = []
-    real_unpack = layout.unpack_on_device
-    monkeypatch.setattr(layout, "unpack_on_device", lambda *a: unpacks.append(1) or real_unpack(*a))
+    real_unpack = host.unpack_on_device
+    monkeypatch.setattr(host, "unpack_on_device", lambda *a: unpacks.append(1) or real_unpack(*a))
     model = eqx.nn.MLP(2, 2, 4, 8, key=jax.random.key(0))  # 18 small leaves, and Adam's
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
     results = {}

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autoflat
 from autoflat._runtime import entry as _entry
+from autoflat._transport import host as _host
 from autoflat._transport import layout as _transport
 
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
@@ -185,15 +186,15 @@ def test_unpack_and_repack_are_exact_for_any_number_of_leaves(n):
     if layout is None:  # one leaf: nothing to pack
         assert n == 1
         return
-    (buf,) = _transport.pack_on_device(layout, leaves)
+    (buf,) = _host.pack_on_device(layout, leaves)
     np.testing.assert_array_equal(buf, np.concatenate([np.ravel(x) for x in leaves]))
-    assert [x.shape for x in _transport.unpack_on_device(layout, [buf])] == shapes
-    for x, y in zip(_transport.unpack_on_device(layout, [buf]), leaves, strict=True):
+    assert [x.shape for x in _host.unpack_on_device(layout, [buf])] == shapes
+    for x, y in zip(_host.unpack_on_device(layout, [buf]), leaves, strict=True):
         np.testing.assert_array_equal(x, y)
     # the compiled programs that take over from the host copies (`_HOST_CALLS`)
-    (compiled,) = _transport._pack_jit(layout, leaves)
+    (compiled,) = _host._pack_jit(layout, leaves)
     np.testing.assert_array_equal(compiled, buf)
-    for x, y in zip(_transport._unpack_jit(layout, [buf]), leaves, strict=True):
+    for x, y in zip(_host._unpack_jit(layout, [buf]), leaves, strict=True):
         assert x.shape == y.shape
         np.testing.assert_array_equal(x, y)
     # inside a program, where the repack runs in pieces
@@ -209,14 +210,14 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
     leaves = [jnp.full(s, float(i)) for i, s in enumerate(shapes)]
     layout = _transport.layout_for([(s, jnp.float32) for s in shapes], [False] * 40, True)
     compiled = []
-    real = _transport._pack_jit
-    monkeypatch.setattr(_transport, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
+    real = _host._pack_jit
+    monkeypatch.setattr(_host, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
     expected = np.concatenate([np.ravel(x) for x in leaves])
-    for i in range(_transport._HOST_CALLS + 2):
-        (buf,) = _transport.pack_on_device(layout, leaves)
+    for i in range(_host._HOST_CALLS + 2):
+        (buf,) = _host.pack_on_device(layout, leaves)
         np.testing.assert_array_equal(buf, expected)
         assert buf.dtype == jnp.float32 and not buf.committed and not buf.weak_type
-        assert len(compiled) == max(0, i + 1 - _transport._HOST_CALLS)
+        assert len(compiled) == max(0, i + 1 - _host._HOST_CALLS)
     # fresh buffers, placed as `jax.jit` places its outputs: committed if an input is
     device = jax.devices()[-1]
     committed = [jax.device_put(x, device) for x in leaves]
@@ -225,13 +226,13 @@ def test_packing_outside_a_step_copies_on_the_host_first_then_compiles(monkeypat
     layout = _transport.layout_for(avals, [False] * 41, "auto")
     assert layout.singles == (0,)
     # on the host, then by the compiled programs: never sharing memory either way
-    for host_calls in (0, _transport._HOST_CALLS):
+    for host_calls in (0, _host._HOST_CALLS):
         layout.host_calls[:] = [host_calls, host_calls]
-        buffers = _transport.pack_on_device(layout, [big, *committed])
+        buffers = _host.pack_on_device(layout, [big, *committed])
         assert all(b.committed and b.devices() == {device} for b in buffers)
         pointers = {x.unsafe_buffer_pointer() for x in [big, *committed]}
         assert not pointers & {b.unsafe_buffer_pointer() for b in buffers}
-        unpacked = _transport.unpack_on_device(layout, buffers)
+        unpacked = _host.unpack_on_device(layout, buffers)
         assert all(x.committed and x.devices() == {device} for x in unpacked)
         assert not {b.unsafe_buffer_pointer() for b in buffers} & {
             x.unsafe_buffer_pointer() for x in unpacked
@@ -249,8 +250,8 @@ def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(mon
     # weak types travel in the layout: the step and its results have them, as under jax.jit.
     autoflat.clear_caches()  # layouts are interned with their count of host copies
     compiled = []
-    real = _transport._pack_jit
-    monkeypatch.setattr(_transport, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
+    real = _host._pack_jit
+    monkeypatch.setattr(_host, "_pack_jit", lambda *a: compiled.append(1) or real(*a))
 
     def update(state, g):
         count, xs = state
@@ -258,7 +259,7 @@ def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(mon
         return state
 
     step = autoflat.step(update, pack="auto")
-    for _ in range(_transport._HOST_CALLS + 2):
+    for _ in range(_host._HOST_CALLS + 2):
         # a fresh state every call: each call packs the caller's arrays
         state = (jnp.array(0), [jnp.full((8,), 1.0) for _ in range(40)])
         assert state[0].weak_type
@@ -268,7 +269,7 @@ def test_weakly_typed_leaves_compile_the_step_once_whichever_copy_packs_them(mon
     ref_count, ref_xs = jax.jit(update)(state, 0.5)
     assert ref_count.weak_type and ref_xs[3].weak_type
     stats = autoflat.stats(step)
-    assert stats.traces == 1 and stats.copies == _transport._HOST_CALLS + 2, stats
+    assert stats.traces == 1 and stats.copies == _host._HOST_CALLS + 2, stats
     assert len(compiled) == 2
 
 
@@ -324,8 +325,8 @@ def test_handles_over_packed_state_behave_as_before(monkeypatch):
     ref_params, _, _ = ref(init_params(), _opt_init(init_params()), jnp.ones((8, 160)))
 
     calls = []
-    real = _transport.unpack_on_device
-    monkeypatch.setattr(_transport, "unpack_on_device", lambda *a: calls.append(1) or real(*a))
+    real = _host.unpack_on_device
+    monkeypatch.setattr(_host, "unpack_on_device", lambda *a: calls.append(1) or real(*a))
     # attribute access rebuilds once, with one device call
     assert params["layers"][0]["w"].shape == (4, 4)
     assert params["steps"].dtype == jnp.int32

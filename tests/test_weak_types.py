@@ -23,6 +23,7 @@ from helpers import tree_allclose
 
 import autoflat
 from autoflat import _jax
+from autoflat._transport import host as _host
 from autoflat._transport import layout as _transport
 
 # -- a gymnax-style environment and PureJaxRL's LogWrapper ------------------------------------
@@ -304,10 +305,10 @@ def test_a_packed_state_keeps_its_leaves_weak_types():
     layout = _transport.layout_for(avals, [False] * 4, True, weak)
     assert layout is not None and layout.weak == tuple(weak)
     assert layout is not _transport.layout_for(avals, [False] * 4, True)  # a key of its own
-    for _ in range(_transport._HOST_CALLS + 1):  # the host copies, then the compiled pack
-        buffers = _transport.pack_on_device(layout, leaves)
+    for _ in range(_host._HOST_CALLS + 1):  # the host copies, then the compiled pack
+        buffers = _host.pack_on_device(layout, leaves)
         assert not any(_jax.weak_type(b) for b in buffers)  # buffers are strongly typed
-        back = _transport.unpack_on_device(layout, buffers)
+        back = _host.unpack_on_device(layout, buffers)
         assert [bool(_jax.weak_type(x)) for x in back] == weak
         for x, y in zip(back, leaves, strict=True):
             np.testing.assert_array_equal(x, y)

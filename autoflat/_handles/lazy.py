@@ -191,7 +191,7 @@ class LazyHandle(metaclass=_HandleType):
             return buffers
         arrays = object.__getattribute__(self, "_af_unpacked")
         if arrays is None:
-            from .._transport.layout import unpack_on_device
+            from .._transport.host import unpack_on_device
 
             arrays = unpack_on_device(layout, buffers)
             object.__setattr__(self, "_af_unpacked", arrays)

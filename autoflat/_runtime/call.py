@@ -36,8 +36,8 @@ from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
 from .._handles.lazy import _UNBUILT, LazyHandle
 from .._roles.abstract import SCALARS
-from .._transport import layout as _transport
-from .._transport.layout import Layout
+from .._transport import host as _host
+from .._transport.layout import Layout, PackMode
 from .._transport.structure import (
     Placement,
     Structure,
@@ -259,10 +259,10 @@ def _take_state(
 _Taken = tuple[Structure, list[Any], Placement | None, Layout | None]
 
 
-def _pack_mode(step: Any, call: Call, k: int) -> _transport.PackMode:
-    """How state argument `k` travels (`_transport.mode_for`)."""
+def _pack_mode(step: Any, call: Call, k: int) -> PackMode:
+    """How state argument `k` travels (`_host.mode_for`)."""
     written_back = any(j == k for j, _ in call.program.written_back_idx)
-    return _transport.mode_for(step.pack, written_back)
+    return _host.mode_for(step.pack, written_back)
 
 
 def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
@@ -270,11 +270,9 @@ def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
     traversal, and its arrays are the ones we wrote, so they are donated without a copy."""
     arrays, placement = hit.arrays[k], hit.placements[k]
     linked = hit.links is not None and hit.links[k] is not None
-    layout = (
-        None if linked else _transport.host_layout(arrays, placement, _pack_mode(step, call, k))
-    )
+    layout = None if linked else _host.host_layout(arrays, placement, _pack_mode(step, call, k))
     if layout is not None:
-        arrays = _transport.pack_on_device(layout, arrays)
+        arrays = _host.pack_on_device(layout, arrays)
         step._diag.stats.copies += 1
     step._diag.stats.fast_path += 1
     return hit.structures[k], arrays, placement, layout
@@ -317,13 +315,11 @@ def _take_flattened(
     unpacked[k] = arrays
     # One array is one buffer already, and comes back as itself: never packed.
     layout = (
-        None
-        if is_array(a)
-        else _transport.host_layout(arrays, placement, _pack_mode(step, call, k))
+        None if is_array(a) else _host.host_layout(arrays, placement, _pack_mode(step, call, k))
     )
     if layout is not None:
         # Packing makes fresh buffers: they may be donated without a copy.
-        arrays = _transport.pack_on_device(layout, arrays)
+        arrays = _host.pack_on_device(layout, arrays)
         stats.copies += 1
     elif step.donate and arrays and not _writeback.all_ours(arrays, a):
         call.copies.append(k)  # once the spec says whether the launch donates

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from .. import _jax
 from .._handles import writeback as _writeback
 from .._handles.nnx import Link
+from .._transport import host as _host
 from .._transport import layout as _transport
 from .._transport import segments as _segments
 from .._transport import wholes as _wholes
@@ -244,7 +245,7 @@ def _layout_out(spec: CallSpec, k: int, flat: FlatState) -> _transport.Layout | 
     new one if the structure changed."""
     written_back = any(j == k for j, _ in spec.program.written_back_idx)
     linked = spec.links is not None and spec.links[k] is not None
-    pack = not linked and _transport.mode_for(spec.pack, written_back)
+    pack = not linked and _host.mode_for(spec.pack, written_back)
     if not pack or jax.tree_util.treedef_is_leaf(flat.structure.treedef):
         return None
     placement = spec.placements[k]

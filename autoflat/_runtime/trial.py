@@ -19,7 +19,7 @@ from .._handles.lazy import LazyHandle
 from .._handles.writeback import is_mutable_module
 from .._roles.roles import Role, Roles, assign_roles
 from .._roles.rules import Call, defaulted
-from .._transport.layout import host_layout, mode_for, pack_on_device
+from .._transport.host import host_layout, mode_for, pack_on_device
 from .._transport.structure import flatten, is_array, placement_of
 from .program import Program, Programs
 from .specs import CallSpec
