@@ -118,6 +118,7 @@ def test_multi_tree_operations_need_unwrap_or_lazy_false():
     assert type(model) is eqx.nn.MLP and type(opt_state) is tuple
     params, static = eqx.partition(model, eqx.is_array)
     assert type(params) is eqx.nn.MLP
+    del params, static  # (kept, its arrays would be copied before the call donates them)
     before = autoflat.stats(eager)
     model2, opt_state2, _ = eager(model, opt_state, _batches())
     after = autoflat.stats(eager)
@@ -149,6 +150,106 @@ def test_immutable_rebuilt_handle_stays_on_fast_path():
     after = autoflat.stats(train)
     assert after.flattens == before.flattens
     assert after.fast_path == before.fast_path + 2
+
+
+@pytest.mark.parametrize("pack", ["auto", False])
+def test_what_a_rebuilt_immutable_handle_gave_out_stays_valid(pack):
+    """A rebuilt handle's object, its parts and its arrays are out in the caller's hands
+    (`w = model.layers[0].weight`, `autoflat.unwrap` for a checkpoint): the next call copies
+    the arrays the object holds before donating them (once), and every one kept still holds
+    its value. A handle never rebuilt is donated as it is."""
+    step = autoflat.step(train.__wrapped__, num_steps=2, pack=pack)
+    model, opt_state = _mlp(), tx.init(eqx.filter(_mlp(), eqx.is_array))
+    model, opt_state, _ = step(model, opt_state, _batches())
+    weight = model.layers[0].weight
+    snapshot = autoflat.unwrap((model, opt_state))
+    kept = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(snapshot, eqx.is_array))]
+    before = autoflat.stats(step).copies
+    model, opt_state, _ = step(model, opt_state, _batches())
+    model, opt_state, _ = step(model, opt_state, _batches())  # not rebuilt: no copy
+    assert autoflat.stats(step).copies == before + 2  # (one per state argument)
+    np.testing.assert_array_equal(weight, kept[0])
+    for x, y in zip(jax.tree.leaves(eqx.filter(snapshot, eqx.is_array)), kept, strict=True):
+        np.testing.assert_array_equal(x, y)
+    # the same training as without the reads
+    plain = autoflat.step(train.__wrapped__, num_steps=2, pack=pack)
+    want = (_mlp(), tx.init(eqx.filter(_mlp(), eqx.is_array)))
+    for _ in range(3):
+        *want, _ = plain(*want, _batches())
+    got = autoflat.unwrap((model, opt_state))
+    want = tuple(autoflat.unwrap(want))
+    tree_allclose(eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array))
+
+
+def test_a_leaf_of_a_rebuilt_namedtuple_kept_across_calls_stays_valid():
+    from typing import NamedTuple
+
+    class TrainState(NamedTuple):
+        w: jax.Array
+        step: jax.Array
+
+    @autoflat.step
+    def advance(ts, x):
+        return TrainState(ts.w - 0.1 * x, ts.step + 1)
+
+    ts = advance(TrainState(jnp.zeros(2), jnp.asarray(0)), jnp.ones(2))
+    history = []
+    for _ in range(3):
+        ts = advance(ts, jnp.ones(2))
+        history.append(ts.w)
+    np.testing.assert_allclose(np.stack(history)[:, 0], [-0.2, -0.3, -0.4], rtol=1e-6)
+    assert int(ts.step) == 4
+
+
+def test_a_kept_leaf_also_passed_as_broadcast_is_read_not_donated():
+    """`anchor = model.weight`, then `train(model, opt_state, x, anchor)`: the anchor is one
+    of the buffers the state would donate; it is copied, and the call runs as `jax.jit`'s."""
+    sgd = optax.sgd(0.1)
+
+    def fit(model, opt_state, x, anchor):
+        def loss(m):
+            return jnp.sum(m(x) ** 2) + jnp.sum((m.weight - anchor) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, opt_state = sgd.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    step = autoflat.step(fit, broadcast="anchor")
+    start = eqx.nn.Linear(3, 1, key=jax.random.key(0))
+    x = jnp.ones(3)
+    got = step(start, sgd.init(eqx.filter(start, eqx.is_array)), x, start.weight)
+    want = eqx.filter_jit(fit)(start, sgd.init(eqx.filter(start, eqx.is_array)), x, start.weight)
+    for _ in range(2):
+        m, s, _ = got
+        got = step(m, s, x, m.weight)
+        m, s, _ = want
+        want = eqx.filter_jit(fit)(m, s, x, m.weight)
+    tree_allclose(eqx.filter(autoflat.unwrap(got), eqx.is_array), eqx.filter(want, eqx.is_array))
+
+
+def test_a_handle_inside_a_broadcast_argument_is_not_donated():
+    """A handle passed as state and, inside a container, as a broadcast argument (`{"teacher":
+    params}`) is read in the same call: the state takes a copy, as for a handle passed as
+    the broadcast argument itself."""
+    sgd = optax.sgd(0.1)
+
+    def fit(params, opt_state, x, aux):
+        def loss(p):
+            return jnp.sum((x * p["w"] - aux["teacher"]["w"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = sgd.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    step = autoflat.step(fit, broadcast="aux")
+    p0 = {"w": jnp.ones(3)}
+    x = 2 * jnp.ones(3)
+    p, s, _ = step(p0, sgd.init(p0), x, {"teacher": p0})
+    q, t, _ = jax.jit(fit)(p0, sgd.init(p0), x, {"teacher": p0})
+    for _ in range(3):
+        p, s, loss = step(p, s, x, {"teacher": p})
+        q, t, want = jax.jit(fit)(q, t, x, {"teacher": q})
+    tree_allclose((autoflat.unwrap(p), loss), (q, want))
 
 
 def test_mutable_rebuilt_handle_is_reread():
@@ -217,7 +318,8 @@ def test_key_paths_are_the_real_objects_and_the_step_keeps_its_fast_path():
     """Key paths through a handle are those of the object it stands for (`.layers[0].weight`,
     `[0].mu.layers[0].weight`), not flat indices. JAX walking a handle of immutable structure
     (an Equinox module, optax's tuple of NamedTuples) rebuilds it once and keeps the object;
-    the step still takes it next on the fast path: no flatten, no copy."""
+    the step still takes it next on the fast path, without a flatten, but copies the arrays
+    the walk gave out (`got` holds them) before donating them."""
     model, opt_state, _ = _trained()
     before = autoflat.stats(train)
     train._origin.rebuilt_at.clear()
@@ -236,7 +338,8 @@ def test_key_paths_are_the_real_objects_and_the_step_keeps_its_fast_path():
     train(model, opt_state, _batches())  # consumes both handles
     after = autoflat.stats(train)
     assert after.fast_path == before.fast_path + 2 and after.flattens == before.flattens
-    assert after.copies == before.copies
+    assert after.copies == before.copies + 2
+    np.asarray(got["model"][0][1])  # still valid
 
     real_model, real_opt, _ = _trained()
     real_model, real_opt = autoflat.unwrap((real_model, real_opt))

@@ -49,7 +49,7 @@ from .._transport.structure import (
 )
 from .instance import instance_attributes
 from .program import Program
-from .returned import returned
+from .returned import caller_held, returned
 from .specs import CallSpec
 
 
@@ -225,7 +225,7 @@ def _take_state(
                 fresh = a._af_obj is _UNBUILT or a._af_structure.immutable
                 if fresh or ours:
                     structures.append(a._af_structure)
-                    leaves.append(a._af_arrays)
+                    leaves.append(_uncaught(step, a, ours))
                     placements.append(a._af_placement)
                     layouts.append(a._af_layout)
                     donated.append(a)
@@ -253,6 +253,19 @@ def _take_state(
     if donated and step.donate:
         _keep_shared(call, leaves, handles)
     return structures, leaves, placements, layouts
+
+
+def _uncaught(step: Any, h: LazyHandle, ours: bool) -> list[Any]:
+    """The buffers of handle `h` to donate: its own, but copies of those the caller may hold
+    too (`returned.caller_held`: after a rebuild, or under `lazy=False`)."""
+    buffers = h._af_arrays
+    held = caller_held(h, ours) if step.donate and h._af_structure.immutable else []
+    if not held:
+        return buffers
+    copies = iter(copy_leaves([buffers[i] for i in held]))
+    step._diag.stats.copies += 1
+    chosen = set(held)
+    return [next(copies) if i in chosen else b for i, b in enumerate(buffers)]
 
 
 # What `_take_state` takes of one state argument: structure, buffers, placement, layout.
@@ -346,14 +359,8 @@ def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHan
     (`returned`), the object given as a broadcast argument too is found as itself. (A
     per-step array, the usual batch, holds no handle: not searched.)"""
     args, program = call.args, call.program
-    in_xs = {
-        id(x)
-        for i in program.scanned_idx
-        if not is_array(args[i])
-        for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
-        if type(x) is LazyHandle
-    }
-    others = in_xs.union(id(args[i]) for i in program.bcast_idx)
+    in_xs = _handles_in(args, program.scanned_idx)
+    others = in_xs | _handles_in(args, program.bcast_idx) | {id(args[i]) for i in program.bcast_idx}
     call.xs_shared = not in_xs.isdisjoint(map(id, call.donated))
     shared = {
         id(h)
@@ -365,6 +372,17 @@ def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHan
             if id(h) in shared:
                 leaves[k] = copy_leaves(leaves[k])
         call.donated = [h for h in call.donated if id(h) not in shared]
+
+
+def _handles_in(args: tuple[Any, ...], indices: Any) -> set[int]:
+    """The ids of the handles inside these arguments (`{"teacher": params}`)."""
+    return {
+        id(x)
+        for i in indices
+        if not is_array(args[i])
+        for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
+        if type(x) is LazyHandle
+    }
 
 
 def _share(

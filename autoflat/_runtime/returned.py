@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from .._handles import writeback as _writeback
-from .._handles.lazy import LazyHandle
+from .._handles.lazy import _UNBUILT, LazyHandle
 from .program import Program
 
 
@@ -53,6 +53,32 @@ def returned(step: Any, program: Program, copies: list[int], k: int, h: LazyHand
     ):
         copies.append(k)
     return True
+
+
+def caller_held(h: LazyHandle, ours: bool) -> list[int]:
+    """The buffers of `h`, a handle of immutable structure going in on the fast path, that
+    the caller may hold too, by index: to be copied before a donating launch.
+
+    Once `h` is rebuilt (its object read, `autoflat.unwrap(h)`), its object holds the
+    buffers that are not packed, and the caller may hold the object, a part of it or one of
+    its arrays (`w = model.layers[0].weight`, a snapshot for a checkpoint): all of those are
+    copied (the Performance page: reading inside a handle between calls). Under `lazy=False`
+    (`ours`) the object is the caller's by design and passing it back uses it up, as a
+    handle is: only arrays something else also holds (one kept, one passed as another
+    argument of the call) are copied."""
+    if h._af_obj is _UNBUILT and not ours:
+        return []
+    buffers = h._af_arrays
+    leaves = LazyHandle._af_leaf_arrays(h)
+    in_object = {id(x) for x in leaves}
+    held = [i for i, b in enumerate(buffers) if id(b) in in_object]
+    if not ours or not held:
+        return held
+    # References to a buffer the object holds, when only we hold it: the handle's list, the
+    # object's field, and the list of unpacked leaves the object was built from (packed).
+    expected = _HELD_BY_US - (1 if leaves is buffers else 0)
+    counts = _refcounts(buffers, tuple(held))
+    return [i for i, n in zip(held, counts, strict=True) if n > expected]
 
 
 def _refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:

@@ -1053,7 +1053,7 @@ def _fit_hyper(params, opt_state, x):
 
 @claim(
     FAQ,
-    '`float(opt_state.hyperparams["learning_rate"])` for a log line, or `params["head"]["bias"]`, rebuilds the object. The handle then holds a real object whose arrays you may keep, so the next call flattens it again and copies its arrays before donating them.',
+    '`float(opt_state.hyperparams["learning_rate"])` for a log line, or `params["head"]["bias"]`, rebuilds the object. The handle then holds a real object whose arrays you may keep, so the next call copies its arrays before donating them (and flattens it again if it is mutable, a dict: you may have changed it).',
 )
 @claim(
     FAQ, "(`autoflat.stats(step)` counts the `rebuilds` and `copies`). This is safe, only slower."
@@ -1076,6 +1076,49 @@ def test_reading_inside_a_handle_rebuilds_it_and_the_next_call_copies():
     assert after.flattens == before.flattens + 2 and after.copies == before.copies + 2
     assert not bias.is_deleted()  # safe: the kept array was copied, not donated
     np.testing.assert_array_equal(bias, expected)
+    # immutable structure (a tuple): copied, not flattened
+    step = autoflat.step(_advance_pair)
+    pair = step((jnp.zeros(2), jnp.ones(2)), jnp.ones(2))
+    pair = step(pair, jnp.ones(2))
+    before = autoflat.stats(step)
+    first = pair[0]
+    expected = np.asarray(first)
+    pair = step(pair, jnp.ones(2))
+    after = autoflat.stats(step)
+    assert after.rebuilds == before.rebuilds + 1 and after.flattens == before.flattens
+    assert after.copies == before.copies + 1
+    np.testing.assert_array_equal(first, expected)
+
+
+def _advance_pair(pair, x):
+    pair = (pair[0] + x, pair[1] * 2)
+    return pair
+
+
+@claim(
+    FAQ,
+    "An object you pass back is used up by the call, as a handle is: its arrays are donated, except those you also hold elsewhere (`w = model.layers[0].weight`, an argument of the same call), which are copied first. To keep the object itself (`best = model`), `copy.deepcopy` it.",
+)
+def test_an_object_passed_back_under_lazy_false_is_used_up_but_kept_arrays_are_copied():
+    sgd = optax.sgd(0.1)
+
+    def fit(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        updates, opt_state = sgd.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    step = autoflat.step(fit, lazy=False)
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    model, opt_state, _ = step(model, sgd.init(eqx.filter(model, eqx.is_array)), jnp.ones(3))
+    model, opt_state, _ = step(model, opt_state, jnp.ones(3))
+    w = model.layers[0].weight
+    expected = np.asarray(w)
+    best = model
+    kept = copy.deepcopy(model)
+    model, opt_state, _ = step(model, opt_state, jnp.ones(3))
+    np.testing.assert_array_equal(w, expected)  # held elsewhere: copied first
+    np.testing.assert_array_equal(kept.layers[0].weight, expected)
+    assert best.layers[1].weight.is_deleted()  # used up: donated
 
 
 @claim(
@@ -1146,7 +1189,7 @@ def test_deepcopy_or_donate_false_keep_values():
 
 @claim(
     FAQ,
-    "Your own arrays, passed in the first time, are copied and never donated, and neither is a handle you pass as state and as another argument of the same call (a target network synced with `target = online`): it stays valid.",
+    'Your own arrays, passed in the first time, are copied and never donated, and neither is a handle you pass as state and as another argument of the same call, or inside one (a target network synced with `target = online`, `{"teacher": params}`): it stays valid.',
 )
 def test_own_arrays_and_a_handle_passed_twice_stay_valid():
     def update(online, target, x):
@@ -1164,6 +1207,16 @@ def test_own_arrays_and_a_handle_passed_twice_stay_valid():
     np.testing.assert_array_equal(target["w"], [2.0, 2.0])  # still valid
     s3 = step(s2, target, jnp.ones(2))
     np.testing.assert_array_equal(s3["w"], [6.0, 6.0])
+    # inside another argument
+    nested = autoflat.step(_update_from_teacher, broadcast="aux")
+    s = nested(mine, {"teacher": mine}, jnp.ones(2))
+    s2 = nested(s, {"teacher": s}, jnp.ones(2))
+    np.testing.assert_array_equal(s2["w"], [4.0, 4.0])
+    np.testing.assert_array_equal(s["w"], [2.0, 2.0])  # still valid
+
+
+def _update_from_teacher(online, aux, x):
+    return {"w": online["w"] + aux["teacher"]["w"] * x}
 
 
 # ==========================================================================================
