@@ -311,6 +311,24 @@ or pass it as a Python float (static: a new value compiles a new version). Only 
     @autoflat.step(..., state={{"{param}": {pos}}})
 """
 
+PASSED_THROUGH = """\
+`{name}` ({where}) returns `{param}` by name at return position {pos}, and never assigns \
+`{param}` in the body: that position gives back `{param}` as it came in. Position {pos} is also \
+the place of `{other}` among the parameters that could be state, and `{other}` has the tree \
+structure, shapes and dtypes of `{param}`. With num_steps={num_steps} the two readings train \
+differently, so autoflat will not choose:
+
+- as a `lax.scan` carry `({order})`, by position: return position {place} is the new `{param}` \
+and `{other}` takes the old `{param}` (a previous value kept for momentum or lookahead):
+
+    @autoflat.step(..., state={{"{param}": {place}, "{other}": {pos}}})
+
+- `{param}` is the same every step (passed through to the output), and return position \
+{place} is the new `{other}`:
+
+    @autoflat.step(..., state={{"{other}": {place}}}, broadcast="{param}")
+"""
+
 STATE_NESTED = """\
 `{name}` ({where}): `{param}` comes back inside return position {pos}, at `{path}`, not at a \
 position of its own. With num_steps={num_steps}, autoflat carries state from one step to the \

@@ -1582,3 +1582,76 @@ def test_a_method_steps_self_is_not_matched_to_gradients_alike_it():
     _, got = step(agent, xs)
     np.testing.assert_allclose(got.w, jnp.stack(ref), rtol=1e-6)
     assert "# self: broadcast" in autoflat.show(step)
+
+
+def _heavy_ball(params, prev, x):
+    """Heavy-ball momentum written as a positional carry: the old `params` comes back at the
+    place of `prev`, never assigned (a step nobody wrote for autoflat, from an adversarial
+    sweep)."""
+    g = jax.grad(lambda p: jnp.sum((p["w"] * x - 1.0) ** 2))(params)
+    new = jax.tree.map(lambda p, q, g: p - 0.1 * g + 0.5 * (p - q), params, prev, g)
+    return new, params, jnp.sum(g["w"])
+
+
+def _heavy_ball_array(w, prev_w, x):
+    g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+    new_w = w - 0.1 * g + 0.5 * (w - prev_w)
+    return new_w, w, jnp.sum(g)
+
+
+@pytest.mark.parametrize("fn", [_heavy_ball, _heavy_ball_array])
+def test_a_parameter_given_back_as_it_came_at_anothers_place_is_refused(fn):
+    """`return new, params` for `(params, prev)`, `params` never assigned: by name (rule 2)
+    `params` would be carried unchanged and `prev` trained; as a `lax.scan` carry, position 0
+    is the new `params`. Both type-check, and they train differently: it silently took the
+    first. Now an error naming `state=` for each reading; the positional one equals
+    `jax.jit` of a `lax.scan`, the other runs as it says."""
+    first, second = _params_of(fn)
+    start = {"w": jnp.zeros(3)} if fn is _heavy_ball else jnp.zeros(3)
+    xs = jnp.linspace(0.5, 1.5, 12).reshape(4, 3)
+    with pytest.raises(autoflat.OptionError) as raised:
+        autoflat.step(fn, num_steps=4)(start, start, xs)
+    message = str(raised.value)
+    assert f"returns `{first}` by name at return position 1, and never assigns" in message
+    assert f'state={{"{first}": 0, "{second}": 1}}' in message
+    assert f'state={{"{second}": 0}}, broadcast="{first}"' in message
+
+    def scan(a, b, xs):
+        def body(carry, x):
+            n, p, loss = fn(*carry, x)
+            return (n, p), loss
+
+        (a, b), losses = jax.lax.scan(body, (a, b), xs)
+        return a, b, losses
+
+    positional = autoflat.step(fn, num_steps=4, state={first: 0, second: 1})
+    got = want = (start, start)
+    for _ in range(3):
+        *got, loss = positional(*got, xs)
+        *want, ref = jax.jit(scan)(*want, xs)
+    tree_allclose((*got, loss), (*want, ref))
+    through = autoflat.step(fn, num_steps=4, state={second: 0}, broadcast=first)
+
+    def scan_through(a, b, xs):
+        def body(b, x):
+            n, p, loss = fn(a, b, x)
+            return n, (p, loss)
+
+        return jax.lax.scan(body, b, xs)
+
+    new, passed = through(start, start, xs)[:2]
+    want_new, (want_passed, _) = jax.jit(scan_through)(start, start, xs)
+    tree_allclose((new, passed), (want_new, want_passed))
+    # one step a call: each position comes back as the body computed it, no error
+    one = autoflat.step(fn)
+    got = want = (start, start)
+    for x in xs:
+        *got, loss = one(*got, x)
+        *want, ref = jax.jit(fn)(*want, x)
+    tree_allclose((*got, loss), (*want, ref))
+
+
+def _params_of(fn):
+    import inspect
+
+    return list(inspect.signature(fn).parameters)[:2]

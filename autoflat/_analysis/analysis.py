@@ -110,6 +110,9 @@ class Analysis:
     # state (the next step would miss what was taken); the step changes its own copy, as under
     # `jax.jit`, and the caller's object is left as it was.
     removed: tuple[tuple[str, str, int], ...]
+    # Parameters the body binds again (`p = f(p)`): one never rebound, returned by name,
+    # comes back as it came in.
+    rebound: frozenset[str]
     # Attributes read directly off each parameter (`self.lr`): (param, attribute), sorted.
     attribute_reads: tuple[tuple[str, str], ...]
     free_names: frozenset[str]
@@ -451,6 +454,7 @@ def _analysis(code: _Annotated, params: tuple[Param, ...], returns: tuple[Return
             for p, (spelling, line) in sorted(visitor.removed.items())
             if p not in visitor.in_place and p not in visitor.assigned
         ),
+        rebound=visitor.rebound(),
         attribute_reads=tuple(sorted(visitor.attribute_reads)),
         free_names=_free_names(code),
         all_names=frozenset(visitor.names),

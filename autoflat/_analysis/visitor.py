@@ -356,6 +356,15 @@ class Visitor(cst.CSTVisitor):
                 found |= sub
         return frozenset(found)
 
+    def rebound(self) -> frozenset[str]:
+        """The parameters the function's own scope binds again (`p = f(p)`, `p += 1`, `for p
+        in ...`): the others come back, where returned by name, as they came in."""
+        if self.scope is None:
+            return frozenset()
+        return frozenset(
+            p.name.value for p in self.params if len(self.scope.assignments[p.name.value]) > 1
+        )
+
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         if original_node is not self.root:
             return

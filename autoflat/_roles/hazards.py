@@ -13,6 +13,10 @@ option that settles it, since guessed wrong it trains silently wrong.
   whose first axis happens to be num_steps?), and a per-step-looking bare array given back
   at its place under another name, where both readings type-check. All name `per_step=` and
   `state=`.
+- **A parameter given back as it came in, at another's place** (with `num_steps > 1`): `return
+  new, params` for `(params, prev)` with `params` never assigned, and `prev` alike: by name,
+  `params` is carried unchanged; as a `lax.scan` carry, position 0 is the new `params` and
+  `prev` takes the old one. Names `state=` for each.
 - **State returned nested in an output** (with `num_steps > 1`): `return (params, opt_state),
   loss` would take both as broadcast inputs, every step starting again from them.
 """
@@ -28,6 +32,7 @@ import numpy as np
 from .._analysis.analysis import Analysis
 from .._errors import (
     MIXED_ARGUMENT,
+    PASSED_THROUGH,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
     SHORT_FIRST_CHUNK,
@@ -244,6 +249,41 @@ def _short_first_chunk(
                     num_steps=num_steps,
                 )
     return None
+
+
+def refuse_passed_through(
+    analysis: Analysis,
+    options: Options,
+    values: dict[str, Any],
+    returned_at: dict[str, int],
+    places: dict[str, int],
+    num_steps: int,
+) -> None:
+    """Refuse a parameter every return gives back by name (rule 2) but that the body never
+    assigns, at a position that is the place of another parameter alike it (see the module
+    doc). `places`: each parameter that could be state with its own return position."""
+    if num_steps == 1:  # each position comes back as the body computed it, either way
+        return
+    at_place = {pos: q for q, pos in places.items()}
+    declared = dict(options.state_at)
+    for p, pos in returned_at.items():
+        other = at_place.get(pos)
+        if (
+            p in analysis.rebound
+            or p in declared
+            or other is None
+            or other == p
+            or other in declared
+            or other in options.explicit
+            or p not in places
+            or not same_value(values[p], values[other])
+        ):
+            continue
+        order = ", ".join(sorted(places, key=places.__getitem__))
+        raise error(
+            OptionError, PASSED_THROUGH, analysis, param=p, pos=pos, other=other,
+            place=places[p], order=order, num_steps=num_steps,
+        )  # fmt: skip
 
 
 def refuse_nested_state(

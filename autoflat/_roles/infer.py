@@ -70,6 +70,7 @@ from .hazards import (
     leading_axis_error,
     raise_leading_axis_errors,
     refuse_nested_state,
+    refuse_passed_through,
 )
 from .options import Options, Role
 from .roles import Roles, assign_roles
@@ -458,6 +459,12 @@ class _Inference:
             refuse_nested_state(
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps,
+            )  # fmt: skip
+        if first is not None and first.kind != "none":
+            carried = [p for p in self.params if p in self._carried()]
+            refuse_passed_through(
+                analysis, self.options, values, self.returned_at,
+                _matching.places(carried, first), num_steps,
             )  # fmt: skip
         for p in self.counters:
             self.for_eval[p] = "state"

@@ -3405,3 +3405,34 @@ def test_state_matched_under_another_name_traces_its_program_too():
     BODY_RUNS[0] = 0
     step(p, o, (jnp.ones((4, 3)), jnp.zeros((4, 2))))
     assert BODY_RUNS[0] == 0  # compiled once, kept
+
+
+@claim(
+    PAGE,
+    'By name (rule 2), `params` comes back unchanged and only `prev` trains; as a `lax.scan` carry `(params, prev)`, position 0 is the new `params` and `prev` takes the old one. With `num_steps > 1` the `autoflat.OptionError` names `state={"params": 0, "prev": 1}` for the carry, and `state={"prev": 0}, broadcast="params"` for a `params` that is the same every step.',
+)
+@claim(
+    PAGE,
+    "(With `num_steps=1` each position comes back as the body computed it, either way: no error.)",
+)
+def test_by_name_or_by_position_asks():
+    def train(params, prev, x):
+        g = jax.grad(lambda p: jnp.sum((p * x - 1.0) ** 2))(params)
+        new = params - 0.1 * g + 0.5 * (params - prev)
+        return new, params, jnp.sum(g)
+
+    xs = jnp.linspace(0.5, 1.5, 12).reshape(4, 3)
+    start = jnp.zeros(3)
+    with pytest.raises(autoflat.OptionError) as raised:
+        autoflat.step(train, num_steps=4)(start, start, xs)
+    assert 'state={"params": 0, "prev": 1}' in str(raised.value)
+    assert 'state={"prev": 0}, broadcast="params"' in str(raised.value)
+    carry = autoflat.step(train, num_steps=4, state={"params": 0, "prev": 1})
+    got = carry(start, start, xs)
+    want = (start, start)
+    for x in xs:
+        *want, loss = jax.jit(train)(*want, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    one = autoflat.step(train)(start, start, xs[0])  # one step a call: no error
+    np.testing.assert_allclose(one[0], jax.jit(train)(start, start, xs[0])[0])
