@@ -5,6 +5,7 @@ start."""
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import jax
@@ -1655,3 +1656,62 @@ def _params_of(fn):
     import inspect
 
     return list(inspect.signature(fn).parameters)[:2]
+
+
+def _summed(w, total, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    w = w - 0.01 * x
+    return w, total + loss
+
+
+def _counted(w, correct, x):
+    w = w - 0.01 * x
+    return w, correct + jnp.sum(x > 1.5)
+
+
+@pytest.mark.parametrize(("fn", "start"), [(_summed, 0.0), (_counted, 0)])
+def test_a_python_number_accumulated_at_its_place_is_state(fn, start):
+    """`return w, total + loss` from `total=0.0` at num_steps > 1: a `lax.scan` carries the
+    sum. It was static (every step started from 0.0, the output stacked) and, passed back,
+    read as per-step at the next call: silently wrong. Now state, carried as an array, equal
+    to `jax.jit` of a `lax.scan`, compiling as often as it does (the first call's Python
+    number, then the array)."""
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+
+    def scan(w, t, xs):
+        return jax.lax.scan(lambda c, x: (fn(*c, x), None), (w, t), xs)[0]
+
+    step = autoflat.step(fn, num_steps=4)
+    got = want = (jnp.zeros(3), start)
+    for i in range(3):
+        got = step(*got, xs)
+        want = jax.jit(scan)(*want, xs)
+        if i == 0:
+            name = list(inspect.signature(fn).parameters)[1]
+            kind = type(start).__name__
+            assert f"# {name}: state (a Python {kind} that return position 1" in (
+                autoflat.show(step)
+            )
+    tree_allclose(got, want)
+    assert autoflat.stats(step).traces == 2
+
+
+def test_a_python_number_beside_a_loss_it_does_not_make_stays_static():
+    """A learning rate beside a loss computed after the update, or a class count the step
+    needs concrete: the scalar at their place is not made by an operation taking them, so
+    they stay static (carrying the loss as the rate trained silently wrong)."""
+
+    def lr_step(w, lr, x):
+        w = w - lr * x
+        return w, jnp.sum((w * x - 1.0) ** 2)
+
+    def classes(w, num_classes, x):
+        y = jax.nn.one_hot(jnp.argmax(x), num_classes)
+        return w - 0.01 * x, jnp.sum(y) * 1.0
+
+    xs = jnp.ones((4, 3))
+    for fn, name, value in ((lr_step, "lr", 0.1), (classes, "num_classes", 3)):
+        step = autoflat.step(fn, num_steps=4)
+        w, out = step(jnp.zeros(3), value, xs)
+        assert out.shape == (4,)  # a per-step output
+        assert f"# {name}: static (a Python" in autoflat.show(step)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -145,38 +146,66 @@ def flows(
     are computed from, and those whose own arrays are operands of the last operation making
     them (`p + u`), read off the step's jaxpr. The first is an over-approximation: every
     output of an operation counts as computed from all of its inputs."""
-
-    def attempt(scalars: frozenset[str]) -> list[tuple[frozenset[str], frozenset[str]]]:
-        parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
-        counts: list[int] = []
-
-        def one_step(arrays: list[list[Any]]) -> Any:
-            args = _arguments(parts, arrays)
-            outs = []
-            for item in split(call(args)):
-                traced = [x for x in jax.tree_util.tree_leaves(item) if _jax.is_tracer(x)]
-                counts.append(len(traced))
-                outs += traced
-            return outs
-
-        inputs = [[] if rebuild is None else a for rebuild, a in parts]
-        jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
-        owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
-        sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
-        result = []
-        at = 0
-        for n in counts:
-            span = range(at, at + n)
-            at += n
-            result.append(
-                (
-                    _NONE.union(*(sources[i] for i in span)),
-                    _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
-                )
-            )
-        return result
-
+    attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split)
     return _traced_on_failure(attempt, values, roles)
+
+
+def flows_traced(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    numbers: frozenset[str],
+) -> list[tuple[frozenset[str], frozenset[str]]] | None:
+    """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
+    traced as `jax.jit` traces them; None if the step needs one of them concrete."""
+    roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
+    try:
+        return _flows(fn, params, values, roles, num_steps, split, numbers)
+    except Exception:
+        return None
+
+
+def _flows(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    scalars: frozenset[str],
+) -> list[tuple[frozenset[str], frozenset[str]]]:
+    """`flows` once, with the Python numbers of the parameters `scalars` traced."""
+    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
+    counts: list[int] = []
+
+    def one_step(arrays: list[list[Any]]) -> Any:
+        args = _arguments(parts, arrays)
+        outs = []
+        for item in split(call(args)):
+            traced = [x for x in jax.tree_util.tree_leaves(item) if _jax.is_tracer(x)]
+            counts.append(len(traced))
+            outs += traced
+        return outs
+
+    inputs = [[] if rebuild is None else a for rebuild, a in parts]
+    jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
+    owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
+    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
+    result = []
+    at = 0
+    for n in counts:
+        span = range(at, at + n)
+        at += n
+        result.append(
+            (
+                _NONE.union(*(sources[i] for i in span)),
+                _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
+            )
+        )
+    return result
 
 
 def _traced_on_failure(

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
@@ -61,7 +62,7 @@ from .._errors import (
 from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import SCALARS, eval_one_step, flows, positions_of, same_value
+from .abstract import SCALARS, eval_one_step, flows, flows_traced, positions_of, same_value
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
@@ -416,6 +417,7 @@ class _Inference:
         params, values, carried = self.params, self.values, self._carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
         found = _matching.counters(numbers, values, positions, outs, places)
+        found.update(self._accumulated(returned, outs, positions, numbers, places, found))
         left = [pos for pos in positions if pos not in found.values()]
         places = _matching.places([p for p in params if p in carried or p in found], returned)
         # Several parameters alike, as many positions: settled by data flow, then names.
@@ -436,6 +438,36 @@ class _Inference:
             # gradients alike it (`return loss, self.loss_and_grad(x)[1]`).
             del by_value[instance]
         return found, by_value
+
+    def _accumulated(
+        self,
+        returned: Return,
+        outs: list[Any],
+        positions: list[int],
+        numbers: list[str],
+        places: dict[str, int],
+        found: dict[str, int],
+    ) -> dict[str, int]:
+        """Python numbers a return position at their place gives back as a scalar array
+        whose last operation takes the number itself (`total + loss`, from `total=0.0`):
+        accumulators, carried as arrays as a `lax.scan` carries them. Read off the step
+        traced with those numbers traced, as `jax.jit` traces them; a loss beside a static
+        number (`num_classes`) is not computed from it, and one the step needs concrete
+        stays static."""
+        open_ = {
+            p: places[p]
+            for p in numbers
+            if p not in found and places.get(p, -1) in positions and _scalar_array(outs[places[p]])
+        }
+        if not open_:
+            return {}
+        direct = flows_traced(
+            self.fn, self.params, self.values, self.for_eval, self.num_steps,
+            lambda o: positions_of(returned, o), frozenset(open_),
+        )  # fmt: skip
+        if direct is None:
+            return {}
+        return {p: pos for p, pos in open_.items() if p in direct[pos][1]}
 
     def _gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,
@@ -560,6 +592,12 @@ class _Inference:
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
+
+
+def _scalar_array(out: Any) -> bool:
+    """A 0-d numeric array (abstract), as a Python number traced becomes."""
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    return shape == () and dtype is not None and jax.dtypes.issubdtype(dtype, np.number)
 
 
 def _has_arrays(value: Any) -> bool:

@@ -901,7 +901,7 @@ def test_rule_8_python_scalars_and_strings_are_static():
 )
 @claim(
     PAGE,
-    "unless the return position at its place among the parameters that could be state gives back a changed Python number, `return w, step + 1, lr`: then state, carried as an array",
+    "unless the return position at its place among the parameters that could be state gives back a changed Python number, `return w, step + 1, lr`,",
 )
 @claim(
     PAGE, "`state (a Python int that return position 1 gives back changed: carried as an array)`"
@@ -3436,3 +3436,32 @@ def test_by_name_or_by_position_asks():
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
     one = autoflat.step(train)(start, start, xs[0])  # one step a call: no error
     np.testing.assert_allclose(one[0], jax.jit(train)(start, start, xs[0])[0])
+
+
+@claim(
+    PAGE,
+    "| `def update(w, total, x): ... return w, total + loss` called with `total=0.0` | `total` state, carried as an array: the sum over every step |",
+)
+@claim(
+    PAGE,
+    "or a scalar array whose last operation takes the number itself, `return w, total + loss` from `total=0.0`: then state, carried as an array, as a `lax.scan` carries it; a loss beside a number it is not computed from, or one the step needs concrete, leaves the number static",
+)
+def test_a_python_number_summed_at_its_place_is_state():
+    def update(w, total, x):
+        loss = jnp.sum((w * x - 1.0) ** 2)
+        return w - 0.01 * x, total + loss
+
+    def with_rate(w, lr, x):
+        w = w - lr * x
+        return w, jnp.sum((w * x - 1.0) ** 2)
+
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    w, total = autoflat.step(update, num_steps=4)(jnp.zeros(3), 0.0, xs)
+    want = (jnp.zeros(3), 0.0)
+    for x in xs:
+        want = jax.jit(update)(*want, x)
+    np.testing.assert_allclose(total, want[1], rtol=1e-6)
+    step = autoflat.step(with_rate, num_steps=4)
+    _, losses = step(jnp.zeros(3), 0.1, xs)
+    assert losses.shape == (4,)
+    assert "# lr: static (a Python float" in autoflat.show(step)
