@@ -309,7 +309,7 @@ or pass it as a Python float (static: a new value compiles a new version). Only 
 `{param}` is what return position {pos} gave back at the step before:
 
     @autoflat.step(..., state={{"{param}": {pos}}})
-"""
+{reordered}"""
 
 PASSED_THROUGH = """\
 `{name}` ({where}) returns `{param}` by name at return position {pos}, and never assigns \

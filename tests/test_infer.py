@@ -1715,3 +1715,31 @@ def test_a_python_number_beside_a_loss_it_does_not_make_stays_static():
         w, out = step(jnp.zeros(3), value, xs)
         assert out.shape == (4,)  # a per-step output
         assert f"# {name}: static (a Python" in autoflat.show(step)
+
+
+def _adam_by_hand(p, m, v, x):
+    """Adam written by hand, its moments returned in another order than the parameters."""
+    g = jax.grad(lambda p: jnp.sum((p * x - 1.0) ** 2))(p)
+    m1 = 0.9 * m + 0.1 * g
+    v1 = 0.999 * v + 0.001 * g * g
+    return p - 0.01 * m1 / (jnp.sqrt(v1) + 1e-8), v1, m1, jnp.sum(g)
+
+
+def test_returns_in_another_order_than_the_parameters_are_named_in_the_error():
+    """`return p, v1, m1, loss` for `(p, m, v, x)`: the error about `v1` at `m`'s place
+    offered only `broadcast="m"` and `state={"m": 1}`, both silently wrong here. It now also
+    names the reading where the returns are reordered, and that one equals `jax.jit`."""
+    z = jnp.zeros(3)
+    xs = jnp.ones((4, 3))
+    with pytest.raises(autoflat.OptionError) as raised:
+        autoflat.step(_adam_by_hand, num_steps=4)(z, z, z, xs)
+    message = str(raised.value)
+    assert "Return position 2 (`m1`) is computed from `m` and looks like its new value" in message
+    assert 'state={"m": 2, "v": 1}' in message
+    step = autoflat.step(_adam_by_hand, num_steps=4, state={"m": 2, "v": 1})
+    p, v, m, losses = step(z, z, z, xs)
+    want = (z, z, z)
+    for x in xs:
+        new_p, v1, m1, _ = jax.jit(_adam_by_hand)(*want, x)
+        want = (new_p, m1, v1)
+    tree_allclose((p, m, v), want)

@@ -68,7 +68,7 @@ def match(
             and same_value(values[p], outputs[pos])
         ]
         if bare and p not in declared and not is_key(values[p]) and fits[p]:
-            fits[p] = bare_at_place(analysis, p, fits[p][0], flow, names)
+            fits[p] = bare_at_place(analysis, p, fits[p][0], flow, names, place)
     # A carried PRNG key returned at another position (`return state, metrics, new_rng`):
     # matched where no other candidate fits. Several keys: each at any position its value
     # fits, settled below by data flow (the rank put `noise_rng` on `new_dropout_rng`).
@@ -149,8 +149,11 @@ def bare_at_place(
     pos: int,
     flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
     names: tuple[str | None, ...],
+    place: dict[str, int],
 ) -> list[int]:
-    """`[pos]` if the bare array `p` is state at its place `pos`, else an OptionError. Its
+    """`[pos]` if the bare array `p` is state at its place `pos`, else an OptionError.
+    (Where another position is made by an operation taking `p` itself, the returns may be
+    in another order than the parameters: the error says which `state=` that reading is.) Its
     rank among the parameters is weak evidence: `(params, opt_state, x, lr)` returning
     `params, opt_state, loss` put `lr` at the loss's place, and at num_steps=4 every step
     trained with the previous loss as its learning rate, silently. So more must agree: the
@@ -178,6 +181,41 @@ def bare_at_place(
         how="computed from" if p in sources else "not computed from",
         param=p,
         link=link,
+        reordered=_reordered(p, pos, flow, names, place),
+    )
+
+
+def _reordered(
+    p: str,
+    pos: int,
+    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    names: tuple[str | None, ...],
+    place: dict[str, int],
+) -> str:
+    """The error's note for returns in another order than the parameters (`return p, v1,
+    m1` for `(p, m, v)`): the one other position computed from `p` and made by an operation
+    taking `p` itself or named after it, and where the parameter at that place went; or
+    nothing."""
+    flows = flow()
+
+    def new_value(q: str, j: int) -> bool:
+        sources, direct = flows[j]
+        return q in direct or (q in sources and named_after(q, j, names))
+
+    made = [j for j in range(len(flows)) if j != pos and new_value(p, j)]
+    if len(made) != 1:
+        return ""
+    j = made[0]
+    state = {p: j}
+    there = [q for q, at in place.items() if at == j and q != p]
+    if there and new_value(there[0], pos):
+        state[there[0]] = pos  # swapped
+    shown = ", ".join(f'"{q}": {at}' for q, at in state.items())
+    name = names[j] if j < len(names) and names[j] is not None else "an expression"
+    return (
+        f"\nReturn position {j} (`{name}`) is computed from `{p}` and looks like its new "
+        f"value: if it is (the returns in another order than the parameters), say "
+        f"so:\n\n    @autoflat.step(..., state={{{shown}}})\n"
     )
 
 
