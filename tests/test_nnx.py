@@ -588,3 +588,36 @@ def test_a_module_holding_no_variables(k):
         w = step(scale, w, jnp.ones((k, 2)) if k > 1 else jnp.ones(2))
     np.testing.assert_allclose(w, 1.0 - 3 * k * 0.2, rtol=1e-6)
     assert scale.factor == 2.0
+
+
+def test_a_clone_or_a_kept_value_of_the_model_stays_valid():
+    """`best = nnx.clone(model)` (an early-stopping snapshot) shares the model's arrays, as
+    does a value read out of a Variable and kept: the next call copies those before donating
+    them (they were deleted), and only those calls copy. Values as under `nnx.jit`."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    def train(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def run(step):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        x = jnp.ones((4, 3))
+        for _ in range(3):
+            step(model, optimizer, x)
+        copies.append(autoflat.stats(step).copies if step is fast else 0)
+        best = nnx.clone(model)
+        kept = model.bias[...]
+        for _ in range(2):
+            step(model, optimizer, x)
+            copies.append(autoflat.stats(step).copies if step is fast else 0)
+        return [np.asarray(a) for a in (best.kernel[...], kept, model.kernel[...])]
+
+    fast, copies = autoflat.step(train), []
+    got = run(fast)
+    assert copies[1:] == [copies[0] + 1] * 2  # the model's arrays once, then none
+    assert autoflat.stats(fast).fast_path >= 4
+    for a, b in zip(got, run(nnx.jit(train)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)

@@ -49,7 +49,7 @@ from .._transport.structure import (
 )
 from .instance import instance_attributes
 from .program import Program
-from .returned import caller_held, returned
+from .returned import caller_held, held_elsewhere, returned
 from .specs import CallSpec
 
 
@@ -282,6 +282,14 @@ def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
     """State argument `k`, the same Flax NNX object as last call, unchanged: no graph
     traversal, and its arrays are the ones we wrote, so they are donated without a copy."""
     arrays, placement = hit.arrays[k], hit.placements[k]
+    # Held by their Variable and the cache's list, unless the caller kept one
+    # (`nnx.clone(model)` shares them): those are copied before a donating launch.
+    held = held_elsewhere(arrays, list(range(len(arrays))), 2) if step.donate else []
+    if held:
+        copies = iter(copy_leaves([arrays[i] for i in held]))
+        chosen = set(held)
+        arrays = [next(copies) if i in chosen else a for i, a in enumerate(arrays)]
+        step._diag.stats.copies += 1
     linked = hit.links is not None and hit.links[k] is not None
     layout = None if linked else _host.host_layout(arrays, placement, _pack_mode(step, call, k))
     if layout is not None:

@@ -74,11 +74,17 @@ def caller_held(h: LazyHandle, ours: bool) -> list[int]:
     held = [i for i, b in enumerate(buffers) if id(b) in in_object]
     if not ours or not held:
         return held
-    # References to a buffer the object holds, when only we hold it: the handle's list, the
+    # Holders of a buffer the object holds, when only we hold it: the handle's list, the
     # object's field, and the list of unpacked leaves the object was built from (packed).
-    expected = _HELD_BY_US - (1 if leaves is buffers else 0)
-    counts = _refcounts(buffers, tuple(held))
-    return [i for i, n in zip(held, counts, strict=True) if n > expected]
+    return held_elsewhere(buffers, held, 2 if leaves is buffers else 3)
+
+
+def held_elsewhere(arrays: list[Any], indices: list[int], holders: int) -> list[int]:
+    """Of `arrays[i]` for i in `indices`, those that more than `holders` containers (`arrays`
+    among them) refer to: something besides autoflat holds them."""
+    expected = _HELD_BY_US - 3 + holders
+    counts = _refcounts(arrays, tuple(indices))
+    return [i for i, n in zip(indices, counts, strict=True) if n > expected]
 
 
 def _refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
