@@ -889,6 +889,23 @@ def test_multi_tree_operations_with_a_handle_fail_with_a_message_that_says_what_
         assert "pass autoflat.unwrap(x) there, or decorate the step with lazy=False" in message
 
 
+@claim(
+    FAQ,
+    "A comparison of tree structures does not raise but answers that they differ: `eqx.tree_equal(handle, real_tree)` is `False` and `jax.tree.structure(handle) == jax.tree.structure(real_tree)` too, whatever the values.",
+)
+def test_comparing_a_handles_structure_with_a_real_trees_says_they_differ():
+    @autoflat.step
+    def shift(params, x):
+        params = jax.tree.map(lambda a: a + x, params)
+        return params, x
+
+    params, _ = shift({"w": jnp.zeros(3)}, 1.0)
+    real = {"w": jnp.ones(3)}
+    assert eqx.tree_equal(params, real) is False
+    assert jax.tree.structure(params) != jax.tree.structure(real)
+    assert eqx.tree_equal(autoflat.unwrap(params), real)
+
+
 @claim(FAQ, "Unwrap first, or decorate with `lazy=False`:")
 @claim(
     FAQ,
