@@ -368,7 +368,10 @@ def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHan
     per-step array, the usual batch, holds no handle: not searched.)"""
     args, program = call.args, call.program
     in_xs = _handles_in(args, program.scanned_idx)
-    others = in_xs | _handles_in(args, program.bcast_idx) | {id(args[i]) for i in program.bcast_idx}
+    # (Only Python's containers are searched among broadcast arguments: a teacher model or a
+    # method's instance is walked on no call.)
+    containers = [i for i in program.bcast_idx if type(args[i]) in (dict, list, tuple)]
+    others = in_xs | _handles_in(args, containers) | {id(args[i]) for i in program.bcast_idx}
     call.xs_shared = not in_xs.isdisjoint(map(id, call.donated))
     shared = {
         id(h)
