@@ -12,6 +12,7 @@ The state it leaves must equal a plain `jax.jit` loop's from the same values.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 import threading
@@ -46,12 +47,22 @@ class InterruptAt:
         self._previous = sys.gettrace()
         self._previous_hook = sys.unraisablehook
         sys.unraisablehook = self._unraisable
+        self._collecting = False
+        gc.callbacks.append(self._gc)
         sys.settrace(self._call)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(self._previous)
         sys.unraisablehook = self._previous_hook
+        gc.callbacks.remove(self._gc)
+
+    def _gc(self, phase: str, info: Any) -> None:
+        """Lines run while the garbage collector collects (the finalizers it calls) are not
+        counted: Python drops an interrupt there, as it would a real Ctrl-C, and arming the
+        trace again from inside a collection broke the code it interrupted (libcst's
+        context managers raised "'traceback' object is not callable")."""
+        self._collecting = phase == "start"
 
     def _unraisable(self, info: Any) -> None:
         """The interrupt landed in code the garbage collector ran (a weak reference's
@@ -68,7 +79,7 @@ class InterruptAt:
         return self._line if frame.f_code.co_filename.startswith(PACKAGE) else None
 
     def _line(self, frame: Any, event: str, arg: Any) -> Any:
-        if event == "line" and not self.fired:
+        if event == "line" and not self.fired and not self._collecting:
             self.count += 1
             if self.count == self.n:
                 code = frame.f_code
