@@ -30,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _jax
 from .._errors import BAD_CALL, CallError, error
 from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
@@ -41,15 +40,23 @@ from .._transport.layout import Layout, PackMode
 from .._transport.structure import (
     Placement,
     Structure,
-    computed_dtype,
     flatten,
     intern,
     is_array,
     placement_of,
 )
+from .donation import (
+    copy_at,
+    copy_leaves,
+    copy_repeats,
+    held_elsewhere,
+    is_handle,
+    keep_shared,
+    uncaught,
+)
 from .instance import instance_attributes
 from .program import Program
-from .returned import caller_held, held_elsewhere, returned
+from .returned import returned
 from .specs import CallSpec
 
 
@@ -89,7 +96,7 @@ class Call:
     copies: list[int]  # state positions holding the caller's own buffers (copied if donated)
     landed: collections.deque[Any]  # the program's results, as they land (`_launch.launch`)
     donating: bool  # whether the launch donated the state leaves (set by `launch`)
-    xs_shared: bool  # a per-step input holds a handle donated as state (`_keep_shared`)
+    xs_shared: bool  # a per-step input holds a handle donated as state (`donation.keep_shared`)
     claim: tuple[int, Any]  # (call number, step's Origin): marks this call's claims
     claimed: list[LazyHandle]  # the handles this call marked consumed (`_launch._claim`)
     handed: collections.deque[Any]  # the finished result, until the caller has it
@@ -116,25 +123,6 @@ def bind(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
         ) from None
     bound.apply_defaults()
     return tuple(bound.arguments[p] for p in step._params)
-
-
-def copy_leaves(arrays: list[Any]) -> list[Any]:
-    """Fresh buffers with the same values and placement (so donation never touches the
-    caller's own arrays). Weak types are kept: the step sees what `jax.jit` would give it.
-    The arrays of this process's devices are copied by the runtime in one `device_put`:
-    nothing compiled per shape, as `jnp.array(a, copy=True)` is (a first call compiled once
-    per distinct leaf shape); others (spanning hosts, NumPy) by `jnp.array`."""
-    local = [a for a in arrays if _local_array(a)]
-    copies = iter(jax.device_put(local, may_alias=False) if local else ())
-    return [next(copies) if _local_array(a) else _copy(a) for a in arrays]
-
-
-def _copy(a: Any) -> Any:
-    return jnp.array(a, dtype=None if _jax.weak_type(a) else computed_dtype(a.dtype), copy=True)
-
-
-def _local_array(a: Any) -> bool:
-    return isinstance(a, jax.Array) and not _jax.is_tracer(a) and a.is_fully_addressable
 
 
 def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
@@ -168,15 +156,11 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     if call.xs_shared:
         # A handle in a per-step input that is also the donated state goes in as a copy of
         # the tree it stands for: JAX would flatten the handle itself after `launch` claimed
-        # it. (The state's leaves are copies then: see `_keep_shared`.)
+        # it. (The state's leaves are copies then: see `donation.keep_shared`.)
         call.xs = jax.tree_util.tree_map(
-            lambda h: _tree_of(h) if type(h) is LazyHandle else h, call.xs, is_leaf=_is_handle
+            lambda h: _tree_of(h) if type(h) is LazyHandle else h, call.xs, is_leaf=is_handle
         )
     return call
-
-
-def _is_handle(x: Any) -> bool:
-    return type(x) is LazyHandle
 
 
 def _tree_of(h: LazyHandle) -> Any:
@@ -225,7 +209,7 @@ def _take_state(
                 fresh = a._af_obj is _UNBUILT or a._af_structure.immutable
                 if fresh or ours:
                     structures.append(a._af_structure)
-                    leaves.append(_uncaught(step, a, ours))
+                    leaves.append(uncaught(step, a, ours))
                     placements.append(a._af_placement)
                     layouts.append(a._af_layout)
                     donated.append(a)
@@ -249,23 +233,10 @@ def _take_state(
     if call.links is not None:
         _share(step, call, leaves, layouts, unpacked)
     if len(donated) > 1 and len({id(h) for h in donated}) != len(donated):
-        _copy_repeats(call, leaves)
+        copy_repeats(call, leaves)
     if donated and step.donate:
-        _keep_shared(call, leaves, handles)
+        keep_shared(call, leaves, handles)
     return structures, leaves, placements, layouts
-
-
-def _uncaught(step: Any, h: LazyHandle, ours: bool) -> list[Any]:
-    """The buffers of handle `h` to donate: its own, but copies of those the caller may hold
-    too (`returned.caller_held`: after a rebuild, or under `lazy=False`)."""
-    buffers = h._af_arrays
-    held = caller_held(h, ours) if step.donate and h._af_structure.immutable else []
-    if not held:
-        return buffers
-    copies = iter(copy_leaves([buffers[i] for i in held]))
-    step._diag.stats.copies += 1
-    chosen = set(held)
-    return [next(copies) if i in chosen else b for i, b in enumerate(buffers)]
 
 
 # What `_take_state` takes of one state argument: structure, buffers, placement, layout.
@@ -286,9 +257,7 @@ def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
     # (`nnx.clone(model)` shares them): those are copied before a donating launch.
     held = held_elsewhere(arrays, list(range(len(arrays))), 2) if step.donate else []
     if held:
-        copies = iter(copy_leaves([arrays[i] for i in held]))
-        chosen = set(held)
-        arrays = [next(copies) if i in chosen else a for i, a in enumerate(arrays)]
+        arrays = copy_at(arrays, held)
         step._diag.stats.copies += 1
     linked = hit.links is not None and hit.links[k] is not None
     layout = None if linked else _host.host_layout(arrays, placement, _pack_mode(step, call, k))
@@ -345,55 +314,6 @@ def _take_flattened(
     elif step.donate and arrays and not _writeback.all_ours(arrays, a):
         call.copies.append(k)  # once the spec says whether the launch donates
     return structure, arrays, placement, layout
-
-
-def _copy_repeats(call: Call, leaves: list[list[Any]]) -> None:
-    """The same handle as two state arguments: donating its buffers twice would fail, so the
-    repeats take copies."""
-    seen: set[int] = set()
-    for k, i in enumerate(call.program.state_idx):
-        a = call.args[i]
-        if type(a) is LazyHandle and id(a) in seen:
-            leaves[k] = copy_leaves(leaves[k])
-        seen.add(id(a))
-
-
-def _keep_shared(call: Call, leaves: list[list[Any]], handles: dict[int, LazyHandle]) -> None:
-    """A handle given as state and also as another argument (broadcast, per-step) would have
-    its buffers donated and read in one call: the state takes a copy, which is donated, and
-    the handle's own buffers are not (it stays valid after the call, as under `jax.jit`:
-    `target = online` kept for a target network). `handles` gives, per state position, the
-    handle donated for it: for a `lazy=False` object that stands for its handle
-    (`returned`), the object given as a broadcast argument too is found as itself. (A
-    per-step array, the usual batch, holds no handle: not searched.)"""
-    args, program = call.args, call.program
-    in_xs = _handles_in(args, program.scanned_idx)
-    # (Only Python's containers are searched among broadcast arguments: a teacher model or a
-    # method's instance is walked on no call.)
-    containers = [i for i in program.bcast_idx if type(args[i]) in (dict, list, tuple)]
-    others = in_xs | _handles_in(args, containers) | {id(args[i]) for i in program.bcast_idx}
-    call.xs_shared = not in_xs.isdisjoint(map(id, call.donated))
-    shared = {
-        id(h)
-        for k, h in handles.items()
-        if id(h) in others or id(args[program.state_idx[k]]) in others
-    }
-    if shared:
-        for k, h in handles.items():
-            if id(h) in shared:
-                leaves[k] = copy_leaves(leaves[k])
-        call.donated = [h for h in call.donated if id(h) not in shared]
-
-
-def _handles_in(args: tuple[Any, ...], indices: Any) -> set[int]:
-    """The ids of the handles inside these arguments (`{"teacher": params}`)."""
-    return {
-        id(x)
-        for i in indices
-        if not is_array(args[i])
-        for x in jax.tree_util.tree_leaves(args[i], is_leaf=_is_handle)
-        if type(x) is LazyHandle
-    }
 
 
 def _share(

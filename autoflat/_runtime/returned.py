@@ -9,13 +9,13 @@ whether its arrays must be copied before a donating launch.
 from __future__ import annotations
 
 import operator
-import sys
 from typing import Any
 
 import jax
 
 from .._handles import writeback as _writeback
-from .._handles.lazy import _UNBUILT, LazyHandle
+from .._handles.lazy import LazyHandle
+from .donation import HELD_BY_US, refcounts
 from .program import Program
 
 
@@ -49,56 +49,7 @@ def returned(step: Any, program: Program, copies: list[int], k: int, h: LazyHand
     if (
         step.donate
         and h._af_layout is None  # (packed, the buffers are not the caller's leaves)
-        and max(_refcounts(leaves, structure.array_positions), default=0) > _HELD_BY_US
+        and max(refcounts(leaves, structure.array_positions), default=0) > HELD_BY_US
     ):
         copies.append(k)
     return True
-
-
-def caller_held(h: LazyHandle, ours: bool) -> list[int]:
-    """The buffers of `h`, a handle of immutable structure going in on the fast path, that
-    the caller may hold too, by index: to be copied before a donating launch.
-
-    Once `h` is rebuilt (its object read, `autoflat.unwrap(h)`), its object holds the
-    buffers that are not packed, and the caller may hold the object, a part of it or one of
-    its arrays (`w = model.layers[0].weight`, a snapshot for a checkpoint): all of those are
-    copied (the Performance page: reading inside a handle between calls). Under `lazy=False`
-    (`ours`) the object is the caller's by design and passing it back uses it up, as a
-    handle is: only arrays something else also holds (one kept, one passed as another
-    argument of the call) are copied."""
-    if h._af_obj is _UNBUILT and not ours:
-        return []
-    buffers = h._af_arrays
-    leaves = LazyHandle._af_leaf_arrays(h)
-    in_object = {id(x) for x in leaves}
-    held = [i for i, b in enumerate(buffers) if id(b) in in_object]
-    if not ours or not held:
-        return held
-    # Holders of a buffer the object holds, when only we hold it: the handle's list, the
-    # object's field, and the list of unpacked leaves the object was built from (packed).
-    return held_elsewhere(buffers, held, 2 if leaves is buffers else 3)
-
-
-def held_elsewhere(arrays: list[Any], indices: list[int], holders: int) -> list[int]:
-    """Of `arrays[i]` for i in `indices`, those that more than `holders` containers (`arrays`
-    among them) refer to: something besides autoflat holds them."""
-    expected = _HELD_BY_US - 3 + holders
-    counts = _refcounts(arrays, tuple(indices))
-    return [i for i, n in zip(indices, counts, strict=True) if n > expected]
-
-
-def _refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
-    return [sys.getrefcount(leaves[i]) for i in positions]
-
-
-def _calibrate() -> int:
-    """References to a leaf of a returned object that only it holds, as `returned` counts
-    them: its container, the handle's list of arrays and the list of a flatten (counted by
-    the same function, so the interpreter's own references are in it)."""
-    leaf = object()
-    container_and_handle = [[leaf], [leaf]]
-    del leaf
-    return _refcounts(container_and_handle[1][:], (0,))[0]
-
-
-_HELD_BY_US = _calibrate()
