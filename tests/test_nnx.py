@@ -621,3 +621,30 @@ def test_a_clone_or_a_kept_value_of_the_model_stays_valid():
     assert autoflat.stats(fast).fast_path >= 4
     for a, b in zip(got, run(nnx.jit(train)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_tied_weights_are_not_copied_every_call_and_a_kept_one_stays_valid():
+    """A tied Variable is one array at several leaves of the cached lists: those are not
+    someone else holding it (every call copied the model's tied arrays before donating).
+    A value of the tied weight kept by the caller is copied once, and stays valid."""
+    xs = jax.random.normal(jax.random.key(0), (8, 8, 4))
+
+    def run(step, keep_at):
+        model = Tied(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+        copies, kept = [], None
+        for i, x in enumerate(xs):
+            if i == keep_at:
+                kept = model.enc.kernel[...]
+            step(model, optimizer, x)
+            copies.append(autoflat.stats(step).copies if isinstance(step, autoflat.Step) else 0)
+        return copies, np.asarray(kept), np.asarray(model.dec.kernel[...])
+
+    fast = autoflat.step(tied_step)
+    copies, kept, final = run(fast, keep_at=5)
+    first = copies[0]
+    assert copies[1:5] == [first] * 4  # nothing copied at rest
+    assert copies[5:] == [first + 1] * 3  # the kept array's argument, once
+    _, ref_kept, ref_final = run(nnx.jit(tied_step), keep_at=5)
+    np.testing.assert_allclose(kept, ref_kept, rtol=1e-6)
+    np.testing.assert_allclose(final, ref_final, rtol=1e-5)

@@ -253,9 +253,7 @@ def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
     """State argument `k`, the same Flax NNX object as last call, unchanged: no graph
     traversal, and its arrays are the ones we wrote, so they are donated without a copy."""
     arrays, placement = hit.arrays[k], hit.placements[k]
-    # Held by their Variable and the cache's list, unless the caller kept one
-    # (`nnx.clone(model)` shares them): those are copied before a donating launch.
-    held = held_elsewhere(arrays, list(range(len(arrays))), 2) if step.donate else []
+    held = _nnx_kept(hit, arrays) if step.donate else []
     if held:
         arrays = copy_at(arrays, held)
         step._diag.stats.copies += 1
@@ -266,6 +264,18 @@ def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:
         step._diag.stats.copies += 1
     step._diag.stats.fast_path += 1
     return hit.structures[k], arrays, placement, layout
+
+
+def _nnx_kept(hit: _nnx.NnxCache, arrays: list[Any]) -> list[int]:
+    """The arrays of one Flax NNX argument on the cached path that the caller kept
+    (`nnx.clone(model)` shares them), by index: to be copied before a donating launch. Each
+    is held by its Variable and the cache's list, once for each leaf it is (tied weights are
+    one Variable at several leaves, of one argument or several)."""
+    indices = list(range(len(arrays)))
+    if hit.links is None:
+        return held_elsewhere(arrays, indices, 2)
+    leaves = collections.Counter(id(a) for held in hit.arrays.values() for a in held)
+    return held_elsewhere(arrays, indices, [1 + leaves[id(a)] for a in arrays])
 
 
 def _take_flattened(

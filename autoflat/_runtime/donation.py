@@ -18,6 +18,7 @@ shape.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -93,12 +94,17 @@ def caller_held(h: LazyHandle, ours: bool) -> list[int]:
     return held_elsewhere(buffers, held, 2 if leaves is buffers else 3)
 
 
-def held_elsewhere(arrays: list[Any], indices: list[int], holders: int) -> list[int]:
-    """Of `arrays[i]` for i in `indices`, those that more than `holders` containers (`arrays`
-    among them) refer to: something besides autoflat holds them."""
-    expected = HELD_BY_US - 3 + holders
+def held_elsewhere(
+    arrays: list[Any], indices: list[int], holders: int | Sequence[int]
+) -> list[int]:
+    """Of `arrays[i]` for i in `indices`, those that more than `holders` references
+    (`arrays` among them; one number for all, or one per index) refer to: something besides
+    autoflat holds them."""
     counts = refcounts(arrays, tuple(indices))
-    return [i for i, n in zip(indices, counts, strict=True) if n > expected]
+    if isinstance(holders, int):
+        expected = HELD_BY_US - 3 + holders
+        return [i for i, n in zip(indices, counts, strict=True) if n > expected]
+    return [i for i, n, h in zip(indices, counts, holders, strict=True) if n > HELD_BY_US - 3 + h]
 
 
 def refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
