@@ -129,6 +129,11 @@ UNSUPPORTED = """\
 
 {advice}"""
 
+VARIADIC = """\
+`{name}` ({where}) takes {construct}.
+
+{advice}"""
+
 UNSUPPORTED_ADVICE = {
     "yield": "A step function runs once per step and returns its results: replace `yield` by "
     "`return`, and build any sequence of per-step values as the step's outputs (autoflat "
@@ -143,7 +148,9 @@ UNSUPPORTED_ADVICE = {
     "starred": "autoflat needs to know at each `return` which position is which, before the "
     "step runs. Return every element by itself, or the extras as one tuple:\n\n"
     "    return p, a, b\n    return p, extras",
-    "varargs": "Name every argument of the step explicitly:\n\n"
+    "varargs": "`jax.jit` accepts them, but autoflat gives each parameter a role by its name "
+    "(state, per-step, broadcast, static), and a variadic one has no name per argument. "
+    "Name every argument of the step explicitly:\n\n"
     "    def update(model, opt_state, batch, key): ...",
 }
 

@@ -28,6 +28,7 @@ from .._errors import (
     RETURNS_DISAGREE,
     UNSUPPORTED,
     UNSUPPORTED_ADVICE,
+    VARIADIC,
     Located,
     Location,
     SourceError,
@@ -389,7 +390,7 @@ def _check_supported(code: _Annotated, variadic: list[str]) -> None:
         construct, line = unsupported[0]
         raise error(
             SourceError,
-            UNSUPPORTED,
+            VARIADIC if construct == "varargs" else UNSUPPORTED,
             code.at(line),
             construct=_CONSTRUCTS.get(construct) or f"variadic parameters ({', '.join(variadic)})",
             advice=UNSUPPORTED_ADVICE[construct],
