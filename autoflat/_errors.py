@@ -318,6 +318,20 @@ or pass it as a Python float (static: a new value compiles a new version). Only 
     @autoflat.step(..., state={{"{param}": {pos}}})
 {reordered}"""
 
+NUMBER_ADDED = """\
+`{name}` ({where}): return position {pos} is a scalar made by adding to `{param}` (a Python \
+{type}, {value} at this call), and sits at the place `{param}` has among the parameters that \
+could be state. With num_steps={num_steps}, autoflat cannot tell a running sum carried from \
+step to step (a `total` that started at 0) from a constant added to a per-step value \
+(`loss + eps`). If it is a running sum, carried as a `lax.scan` carries it:
+
+    @autoflat.step(..., state={{"{param}": {pos}}})
+
+If it is the same every step:
+
+    @autoflat.step(..., static_argnames="{param}")
+"""
+
 PASSED_THROUGH = """\
 `{name}` ({where}) returns `{param}` by name at return position {pos}, and never assigns \
 `{param}` in the body: that position gives back `{param}` as it came in. Position {pos} is also \

@@ -1743,3 +1743,56 @@ def test_returns_in_another_order_than_the_parameters_are_named_in_the_error():
         new_p, v1, m1, _ = jax.jit(_adam_by_hand)(*want, x)
         want = (new_p, m1, v1)
     tree_allclose((p, m, v), want)
+
+
+def _scaled(w, opt_state, x, *, scale=1.0):
+    loss = jnp.sum((w * x - 1.0) ** 2) * scale
+    return w - 0.01 * x, opt_state + 1.0, loss
+
+
+def test_a_python_number_multiplying_the_loss_at_its_place_stays_static():
+    """`loss * scale` at the place of `scale=1.0` (a keyword default) is not a running sum:
+    `scale` stays static and the loss is a per-step output. It was carried as state, so the
+    second step of a call took the first step's loss as its scale: silently wrong."""
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    step = autoflat.step(_scaled, num_steps=4)
+    w, o, losses = step(jnp.zeros(3), jnp.zeros(()), xs)
+    assert "# scale: static (a Python float" in autoflat.show(step)
+    want_w, want_o, want = jnp.zeros(3), jnp.zeros(()), []
+    for x in xs:
+        want_w, want_o, loss = jax.jit(_scaled)(want_w, want_o, x)
+        want.append(loss)
+    tree_allclose((w, o, losses), (want_w, want_o, jnp.stack(want)))
+
+
+def _plus_eps(w, eps, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.01 * x, loss + eps
+
+
+def test_a_python_number_added_that_does_not_start_at_zero_is_an_error_naming_both_readings():
+    """`loss + eps` at the place of `eps=1e-3`, or a running sum resumed from 3.0: a sum
+    starts at 0, a constant need not. autoflat will not choose; either fix runs as
+    `jax.jit` does."""
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    step = autoflat.step(_plus_eps, num_steps=4)
+    with pytest.raises(autoflat.OptionError) as e:
+        step(jnp.zeros(3), 1e-3, xs)
+    message = str(e.value)
+    assert "`eps` (a Python float, 0.001 at this call)" in message
+    assert 'state={"eps": 1}' in message and 'static_argnames="eps"' in message
+    # the constant: a per-step output, as a jax.jit loop gives it
+    static = autoflat.step(_plus_eps, num_steps=4, static_argnames="eps")
+    w, losses = static(jnp.zeros(3), 1e-3, xs)
+    want_w, want = jnp.zeros(3), []
+    for x in xs:
+        want_w, loss = jax.jit(_plus_eps, static_argnames="eps")(want_w, 1e-3, x)
+        want.append(loss)
+    tree_allclose((w, losses), (want_w, jnp.stack(want)))
+    # the running sum resumed: carried, as jax.jit of a lax.scan carries it
+    carried = autoflat.step(_plus_eps, num_steps=4, state={"eps": 1})
+
+    def scan(w, t, xs):
+        return jax.lax.scan(lambda c, x: (_plus_eps(*c, x), None), (w, t), xs)[0]
+
+    tree_allclose(carried(jnp.zeros(3), 3.0, xs), jax.jit(scan)(jnp.zeros(3), 3.0, xs))

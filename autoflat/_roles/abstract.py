@@ -160,12 +160,18 @@ def flows_traced(
     numbers: frozenset[str],
 ) -> list[tuple[frozenset[str], frozenset[str]]] | None:
     """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
-    traced as `jax.jit` traces them; None if the step needs one of them concrete."""
+    traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`)
+    counted as the last operation taking a parameter's own leaf (a product, `loss * scale`,
+    is not an accumulation); None if the step needs one of them concrete."""
     roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
     try:
-        return _flows(fn, params, values, roles, num_steps, split, numbers)
+        return _flows(fn, params, values, roles, num_steps, split, numbers, _ADDITIONS)
     except Exception:
         return None
+
+
+# The operations that accumulate (`flows_traced`).
+_ADDITIONS = frozenset({"add", "sub", "add_any"})
 
 
 def _flows(
@@ -176,8 +182,10 @@ def _flows(
     num_steps: int,
     split: Callable[[Any], list[Any]],
     scalars: frozenset[str],
+    last: frozenset[str] | None = None,
 ) -> list[tuple[frozenset[str], frozenset[str]]]:
-    """`flows` once, with the Python numbers of the parameters `scalars` traced."""
+    """`flows` once, with the Python numbers of the parameters `scalars` traced (and, given
+    `last`, only operations of those names counted as the last one taking an operand)."""
     parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
     counts: list[int] = []
 
@@ -193,7 +201,7 @@ def _flows(
     inputs = [[] if rebuild is None else a for rebuild, a in parts]
     jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
     owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
-    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners))
+    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners), last)
     result = []
     at = 0
     for n in counts:
@@ -245,7 +253,10 @@ def _own(root: str | None) -> frozenset[str]:
 
 
 def _walk(
-    jaxpr: Any, sources_in: list[frozenset[str]], roots_in: list[str | None]
+    jaxpr: Any,
+    sources_in: list[frozenset[str]],
+    roots_in: list[str | None],
+    last: frozenset[str] | None = None,
 ) -> tuple[list[frozenset[str]], list[frozenset[str]], list[str | None]]:
     """Per output of `jaxpr`, given per input the parameters it is computed from and the
     parameter it is the own leaf of (or None): the parameters it is computed from (every
@@ -253,7 +264,8 @@ def _walk(
     are operands of the operation making it (`p + u` in `optax.apply_updates`), and the
     parameter it is the own leaf of, through casts and reshapes. A call of a jaxpr (a
     `jax.jit`-ed helper, a custom derivative, a remat) is walked into; another operation
-    holding jaxprs (a scan, a cond) takes no operand directly."""
+    holding jaxprs (a scan, a cond) takes no operand directly, nor, given `last`, one whose
+    name is not in it."""
     source: dict[Any, frozenset[str]] = dict(zip(_jax.inputs(jaxpr), sources_in, strict=True))
     root: dict[Any, str] = {
         v: r for v, r in zip(_jax.inputs(jaxpr), roots_in, strict=True) if r is not None
@@ -270,7 +282,7 @@ def _walk(
         inner = _jax.called_jaxpr(eqn)
         if inner is not None:
             got = [get(v) for v in _jax.inputs(eqn)]
-            walked = _walk(inner, [g[0] for g in got], [g[1] for g in got])
+            walked = _walk(inner, [g[0] for g in got], [g[1] for g in got], last)
             for v, s_, d_, r_ in zip(_jax.outputs(eqn), *walked, strict=True):
                 source[v], direct[v] = s_, d_
                 if r_ is not None:
@@ -278,7 +290,8 @@ def _walk(
             continue
         found = _NONE.union(*(source.get(v, _NONE) for v in ins))
         holds = _jax.holds_jaxprs(eqn)
-        near = _NONE if holds else frozenset(root[v] for v in ins if v in root)
+        takes = not holds and (last is None or _jax.name(eqn) in last)
+        near = frozenset(root[v] for v in ins if v in root) if takes else _NONE
         through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
         for v in _jax.outputs(eqn):
             source[v] = found

@@ -51,6 +51,7 @@ import numpy as np
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
     NNX_NOT_PYTREE,
+    NUMBER_ADDED,
     STATE_NOT_MATCHED,
     STATE_POSITION,
     UNHASHABLE_STATIC,
@@ -449,11 +450,12 @@ class _Inference:
         found: dict[str, int],
     ) -> dict[str, int]:
         """Python numbers a return position at their place gives back as a scalar array
-        whose last operation takes the number itself (`total + loss`, from `total=0.0`):
+        made by adding to the number itself (`total + loss`, from `total=0.0`):
         accumulators, carried as arrays as a `lax.scan` carries them. Read off the step
         traced with those numbers traced, as `jax.jit` traces them; a loss beside a static
-        number (`num_classes`) is not computed from it, and one the step needs concrete
-        stays static."""
+        number (`num_classes`) is not computed from it, a product (`loss * scale`) is not a
+        sum, and one the step needs concrete stays static. A number added to that does not
+        start at 0 may be a constant (`loss + eps`): an error names both readings."""
         open_ = {
             p: places[p]
             for p in numbers
@@ -467,7 +469,15 @@ class _Inference:
         )  # fmt: skip
         if direct is None:
             return {}
-        return {p: pos for p, pos in open_.items() if p in direct[pos][1]}
+        added = {p: pos for p, pos in open_.items() if p in direct[pos][1]}
+        for p, pos in added.items():
+            if self.values[p] != 0:  # (a sum starts at 0: `loss + eps` may be a constant)
+                raise error(
+                    OptionError, NUMBER_ADDED, self.analysis, param=p, pos=pos,
+                    type=type(self.values[p]).__name__, value=self.values[p],
+                    num_steps=self.num_steps,
+                )  # fmt: skip
+        return added
 
     def _gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,

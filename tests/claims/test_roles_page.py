@@ -3444,7 +3444,15 @@ def test_by_name_or_by_position_asks():
 )
 @claim(
     PAGE,
-    "or a scalar array whose last operation takes the number itself, `return w, total + loss` from `total=0.0`: then state, carried as an array, as a `lax.scan` carries it; a loss beside a number it is not computed from, or one the step needs concrete, leaves the number static",
+    "or a scalar array made by adding to the number itself, `return w, total + loss` from `total=0.0`: then state, carried as an array, as a `lax.scan` carries it; a loss beside a number it is not computed from, a product such as `loss * scale`, or a number the step needs concrete leaves the number static; a number added to that is not 0 at the first call, `loss + eps`, is an error naming `state=` and `static_argnames=`",
+)
+@claim(
+    PAGE,
+    "| `def update(w, opt_state, x, *, scale=1.0): ... return w, opt_state, loss * scale` | `scale` static: a product is not a running sum |",
+)
+@claim(
+    PAGE,
+    '| `def update(w, eps, x): ... return w, loss + eps` called with `eps=1e-3` | an `OptionError`: a running sum resumed, or a constant? `state={"eps": 1}` or `static_argnames="eps"` |',
 )
 def test_a_python_number_summed_at_its_place_is_state():
     def update(w, total, x):
@@ -3465,3 +3473,19 @@ def test_a_python_number_summed_at_its_place_is_state():
     _, losses = step(jnp.zeros(3), 0.1, xs)
     assert losses.shape == (4,)
     assert "# lr: static (a Python float" in autoflat.show(step)
+
+    def scaled(w, opt_state, x, *, scale=1.0):
+        loss = jnp.sum((w * x - 1.0) ** 2) * scale
+        return w - 0.01 * x, opt_state, loss
+
+    step = autoflat.step(scaled, num_steps=4)
+    _, _, losses = step(jnp.zeros(3), jnp.zeros(()), xs)
+    assert losses.shape == (4,)
+    assert "# scale: static (a Python float" in autoflat.show(step)
+
+    def plus_eps(w, eps, x):
+        return w - 0.01 * x, jnp.sum((w * x - 1.0) ** 2) + eps
+
+    with pytest.raises(autoflat.OptionError, match='state=\\{"eps": 1\\}') as e:
+        autoflat.step(plus_eps, num_steps=4)(jnp.zeros(3), 1e-3, xs)
+    assert 'static_argnames="eps"' in str(e.value)
