@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -333,6 +334,41 @@ def test_body_edited_since_import_with_the_same_signature(tmp_path, monkeypatch)
     )
     linecache.checkcache(str(path))
     np.testing.assert_allclose(autoflat.step(mod.update)(jnp.ones(2), jnp.ones(2)), [2.0, 2.0])
+
+
+def _make_step_with_a_class():
+    def step(params, x):
+        class Out(typing.NamedTuple):
+            params: jax.Array
+            loss: jax.Array
+
+        out = Out(params - 0.1 * x, jnp.sum(x))
+        return out.params, out.loss
+
+    return step
+
+
+class _TrainerWithAClass:
+    def update(self, params, x):
+        class Out(typing.NamedTuple):
+            params: jax.Array
+
+        return Out(params - 0.1 * x).params
+
+
+def test_a_class_defined_in_a_step_not_at_module_level_is_not_an_edit():
+    """A class statement in a step made by a factory, or in a method step: its body stores
+    its qualified name, which says where the `def` was compiled. It was taken for an edit of
+    the file ("no longer matches the function") where `jax.jit` runs it."""
+    made = _make_step_with_a_class()
+    got = autoflat.step(made)(jnp.ones(3), jnp.ones(3))
+    want = jax.jit(made)(jnp.ones(3), jnp.ones(3))
+    np.testing.assert_allclose(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1])
+    trainer = _TrainerWithAClass()
+    np.testing.assert_allclose(
+        autoflat.step(trainer.update)(jnp.ones(3), jnp.ones(3)), jnp.full(3, 0.9)
+    )
 
 
 def test_a_renamed_function_is_not_taken_for_an_edited_one():

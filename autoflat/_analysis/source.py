@@ -300,6 +300,12 @@ def _instructions(code: types.CodeType) -> list[tuple[str, Any]]:
             arg = "<code>"  # compared on its own
         elif isinstance(arg, float | complex):
             arg = repr(arg)  # NaN
+        elif ins.opname == "STORE_NAME" and arg == "__qualname__" and out:
+            # A class body's qualified name says where the `def` was compiled
+            # (`make_step.<locals>.step.<locals>.Out`): only its own part is compared.
+            op, name = out[-1]
+            if isinstance(name, str):
+                out[-1] = (op, name.rpartition("<locals>.")[2])
         out.append((_AS.get(ins.opname, ins.opname), arg))
     return out
 
