@@ -361,6 +361,17 @@ every step would start again from the value you passed in. Return it at its own 
 (and unpack the call's result the same way), or use num_steps=1.
 """
 
+STATE_TYPE_CHANGED = """\
+`{name}` ({where}): return position {pos} has the leaf shapes of `{param}`, but not its \
+{what} ({detail}), so it is not taken for the new `{param}`: with num_steps={num_steps}, \
+`{param}` would then be the same every step and position {pos} stacked, each step starting \
+again from the value passed in. If position {pos} is the new `{param}`: a `lax.scan` carry \
+keeps its types, so give it back as it came in ({fix}); autoflat then carries it. If \
+`{param}` is the same every step and position {pos} is something else:
+
+    @autoflat.step(..., broadcast="{param}")
+"""
+
 STATE_NOT_MATCHED = """\
 `{name}` ({where}): `{param}` is named in state= but no `return` gives back a value with its \
 tree structure, shapes and dtypes ({returns}), and the body does not assign into it. State \

@@ -322,3 +322,94 @@ def test_jax_weakly_typed():
     seen = []
     jax.jit(lambda y: seen.append(_jax.weak_type(_jax.weakly_typed(y))))(x)
     assert seen == [True]
+
+
+# -- state given back under another name, its types changed -----------------------------------
+
+
+def _scan_body(carry, x):
+    """A `lax.scan`-shaped step: the carry comes back as an expression (never by name)."""
+    w, total = carry
+    loss = jnp.mean(x * w)
+    return (w - 0.1 * loss, total + loss), loss
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_weakly_typed_carry_given_back_under_another_name_is_promoted_state(k):
+    """`(w, total + loss)` from `total = jnp.asarray(0)` (weak int32) comes back float32:
+    matched as the new carry, as `lax.scan` promotes it. It was left broadcast and the
+    result stacked: every step restarted from the carry passed in, silently."""
+    xs = jnp.ones((k, 3)) * jnp.arange(1.0, k + 1.0)[:, None]
+    step = autoflat.step(_scan_body, num_steps=k)
+    got = want = (jnp.ones(3), jnp.asarray(0))
+    scan = jax.jit(lambda c, xs: jax.lax.scan(_scan_body, c, xs))
+    for _ in range(3):
+        got, losses = step(got, xs if k > 1 else xs[0])
+        want, want_losses = scan(want, xs)
+    assert "# carry: state (matched by value to return position 0)" in autoflat.show(step)
+    tree_allclose(autoflat.unwrap(got), want)
+    tree_allclose(losses, want_losses if k > 1 else want_losses[0])
+    assert autoflat.stats(step).traces == 2  # the weak carry, then the promoted one
+
+
+def _sgd_bf16(params, lr, x):
+    g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+    return jax.tree.map(lambda p, g: p - lr * g, params, g)
+
+
+def _sgd_bf16_cast(params, lr, x):
+    new = _sgd_bf16(params, lr, x)
+    return jax.tree.map(lambda n, o: n.astype(o.dtype), new, params)
+
+
+def _stax_step(params, x):
+    grads = jax.grad(lambda ps: jnp.mean((x @ ps[0][0] + ps[0][1]) ** 2))(params)
+    return [(w - 0.1 * dw, b - 0.1 * db) for (w, b), (dw, db) in zip(params, grads, strict=True)]
+
+
+def _stax_step_tuple(params, x):
+    return tuple(_stax_step(params, x))
+
+
+@pytest.mark.parametrize(
+    ("fn", "fixed", "state", "what"),
+    [
+        (
+            _sgd_bf16,
+            _sgd_bf16_cast,
+            lambda: {"w": jnp.ones((3, 2), jnp.bfloat16)},
+            "dtypes (['w']: bfloat16 comes back as float32)",
+        ),
+        (
+            _stax_step,
+            _stax_step_tuple,
+            lambda: ((jnp.ones((3, 2)) * 0.1, jnp.zeros(2)),),
+            "tree structure (((*, *),) comes back as [(*, *)])",
+        ),
+    ],
+)
+def test_state_given_back_with_another_dtype_or_container_is_an_error_at_several_steps(
+    fn, fixed, state, what
+):
+    """bfloat16 parameters updated with a float32 rate, a tuple of layers given back as a
+    list: not a `lax.scan` carry (its types must stay), so not matched, and left broadcast
+    every step restarted from the value passed in (silently; the list case failed with a
+    shape error at the second call). Refused with both fixes; at one step a call it runs as
+    `jax.jit` does, and the fixed step (types kept) is carried, equal to `jax.jit`."""
+    xs = jnp.ones((4, 5, 3))
+    extra = (jnp.float32(0.1),) if fn is _sgd_bf16 else ()
+    options = {"broadcast": "lr"} if extra else {}
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(fn, num_steps=4, **options)(state(), *extra, xs)
+    assert f"has the leaf shapes of `params`, but not its {what}" in str(e.value)
+    assert 'broadcast="params"' in str(e.value)
+    one, ref = autoflat.step(fn, **options), jax.jit(fn)
+    got = want = state()
+    for x in xs:
+        got, want = one(got, *extra, x), ref(want, *extra, x)
+    tree_allclose(autoflat.unwrap(got), want)
+    carried = autoflat.step(fixed, num_steps=4, **options)(state(), *extra, xs)
+    want = state()
+    for x in xs:
+        want = jax.jit(fixed)(want, *extra, x)
+    tree_allclose(autoflat.unwrap(carried), want)

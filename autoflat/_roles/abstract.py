@@ -474,6 +474,18 @@ def _signature(value: Any) -> tuple[Any, tuple[Any, ...]]:
     return treedef, tuple(sig)
 
 
+def _promoted(a: Any, b: Any) -> bool:
+    """Two leaf signatures of one shape, the second's dtype what the first's promotes to
+    when weakly typed."""
+    if not (isinstance(a, tuple) and isinstance(b, tuple)) or "static" in (a[0], b[0]):
+        return False
+    (shape_a, dtype_a), (shape_b, dtype_b) = a, b
+    if shape_a != shape_b:
+        return False
+    weak = jax.ShapeDtypeStruct(shape_a, dtype_a, weak_type=True)
+    return bool(jax.numpy.result_type(weak, jax.ShapeDtypeStruct(shape_b, dtype_b)) == dtype_b)
+
+
 def _static(x: Any) -> Any:
     try:
         hash(x)
@@ -483,12 +495,22 @@ def _static(x: Any) -> Any:
 
 
 def same_value(arg: Any, out: Any) -> bool:
+    """Whether `out` could be the new value of `arg` as a `lax.scan` carry: the same tree
+    structure, shapes and dtypes, but for a weakly typed leaf of `arg` (made from a Python
+    number) that the step gives back promoted (a counter `jnp.asarray(0)` summing float32
+    rewards), which `lax.scan` promotes too."""
     (t1, s1), (t2, s2) = _signature(arg), _signature(out)
     if t1 != t2:
         return False
-    for a, b in zip(s1, s2, strict=True):
+    weak: list[bool] | None = None
+    for i, (a, b) in enumerate(zip(s1, s2, strict=True)):
         if a == b:
             continue
+        if _promoted(a, b):
+            if weak is None:
+                weak = [bool(_jax.weak_type(x)) for x in jax.tree_util.tree_leaves(arg)]
+            if weak[i]:
+                continue
         scalar_like = {a, b} - {"scalar"}
         if "scalar" in (a, b) and len(scalar_like) == 1:
             other = scalar_like.pop()

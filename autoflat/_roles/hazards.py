@@ -38,6 +38,7 @@ from .._errors import (
     SHORT_FIRST_CHUNK,
     STATE_AT_NESTED,
     STATE_NESTED,
+    STATE_TYPE_CHANGED,
     WRITTEN_PER_STEP,
     OptionError,
     ShapeError,
@@ -319,6 +320,88 @@ def refuse_nested_state(
                     path=f"[{pos}]{path}",
                     num_steps=num_steps,
                 )
+
+
+def refuse_changed_type(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    positions: list[int],
+    outputs: list[Any],
+    num_steps: int,
+) -> None:
+    """A container argument left broadcast where an open return position has its leaf
+    shapes but another dtype (bfloat16 parameters updated with a float32 rate) or container
+    type (a tuple of layers given back as a list): the new state, unless the step gives back
+    something else with its shapes; as a `lax.scan` carry it cannot be (its types must stay),
+    and left broadcast every step would restart from the value passed in. Refused, with
+    both fixes. (A weakly typed leaf promoted is matched: `abstract.same_value`.)"""
+    taken = set(given_back.values())
+    for p in pending:
+        value = values[p]
+        if p in given_back or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            continue  # (a bare array: matched only at its place, with its data flow)
+        for pos in positions:
+            if pos in taken:
+                continue
+            changed = _type_changed(value, outputs[pos])
+            if changed is not None:
+                what, detail, fix = changed
+                raise error(
+                    OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
+                    detail=detail, fix=fix, num_steps=num_steps,
+                )  # fmt: skip
+
+
+def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
+    """How `out` differs from `value` where it has its leaf shapes (every leaf an array on
+    both sides, as many) but another container type or dtype: (what, where, the fix)."""
+    before = jax.tree_util.tree_flatten_with_path(value)[0]
+    after = jax.tree_util.tree_flatten_with_path(out)[0]
+    if not before or len(before) != len(after) or same_value(value, out):
+        return None
+    for (_, a), (_, b) in zip(before, after, strict=True):
+        if not (is_array(a) and _is_abstract_array(b)) or np.shape(a) != tuple(b.shape):
+            return None
+    treedef: Any = jax.tree_util.tree_structure(value)
+    out_treedef = jax.tree_util.tree_structure(out)
+    if treedef != out_treedef:
+        if _skeleton(treedef) != _skeleton(out_treedef):
+            return None  # (another shape of tree: a loss beside a one-leaf dict)
+        return (
+            "tree structure",
+            f"{_outer(value)} comes back as {_outer(out)}",
+            "the same container types, `tuple(...)` where a list is built",
+        )
+    for (path, a), (_, b) in zip(before, after, strict=True):
+        if np.dtype(a.dtype) != np.dtype(b.dtype):
+            where = jax.tree_util.keystr(path) or "the value"
+            return (
+                "dtypes",
+                f"{where}: {np.dtype(a.dtype).name} comes back as {np.dtype(b.dtype).name}",
+                "each new leaf cast to its old dtype: `jax.tree.map(lambda new, old: "
+                "new.astype(old.dtype), new, old)`",
+            )
+    return None
+
+
+def _skeleton(treedef: Any) -> Any:
+    """A tree structure with its node types left out: the number of children, nested."""
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return "*"
+    return tuple(_skeleton(c) for c in treedef.children())
+
+
+def _is_abstract_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _outer(value: Any) -> str:
+    """The tree structure of `value`, briefly: its containers, its leaves as `*`."""
+    text = str(jax.tree_util.tree_structure(value)).removeprefix("PyTreeDef(")
+    text = text[:-1] if text.endswith(")") else text
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_state_at(

@@ -71,6 +71,7 @@ from .hazards import (
     check_written_per_step,
     leading_axis_error,
     raise_leading_axis_errors,
+    refuse_changed_type,
     refuse_nested_state,
     refuse_passed_through,
 )
@@ -498,10 +499,11 @@ class _Inference:
         if self.state_at:
             check_state_at(analysis, values, self.state_at, positions_of(first, self.evaluate()))
         if num_steps > 1 and self.outputs and first is not None:
-            refuse_nested_state(
-                analysis, values, self.pending, self.given_back(counters=False),
-                self.open_positions, self.outputs, num_steps,
-            )  # fmt: skip
+            for refuse in (refuse_nested_state, refuse_changed_type):
+                refuse(
+                    analysis, values, self.pending, self.given_back(counters=False),
+                    self.open_positions, self.outputs, num_steps,
+                )  # fmt: skip
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]
             refuse_passed_through(

@@ -720,7 +720,7 @@ def test_a_weak_leaf_given_back_strong_compiles_once_more_as_jax_jit():
 
 @claim(
     FAQ,
-    "within a call of `num_steps` steps, the `lax.scan` carries it promoted to the type the step gives back from the first step, as `lax.scan` does.",
+    "within a call of `num_steps` steps, the `lax.scan` carries it promoted to the type the step gives back from the first step, as `lax.scan` does, whether the step returns that state by name or as an expression (`return (w, total + loss), loss`).",
 )
 def test_within_a_call_the_scan_carries_it_promoted():
     rewards = jnp.array([0.5, 1.0, 1.5], jnp.float32)
@@ -730,6 +730,17 @@ def test_within_a_call_the_scan_carries_it_promoted():
     tree_allclose(s, ref)
     assert autoflat.unwrap(s)["n"].dtype == jnp.float32
     np.testing.assert_allclose(s["n"], 3.0)
+
+    def body(carry, r):  # the carry given back as an expression
+        w, total = carry
+        return (w * 0.5, total + r * w), w
+
+    step = autoflat.step(body, num_steps=3)
+    start = (jnp.float32(1.0), jnp.asarray(0))
+    got, ws = step(start, rewards)
+    want, want_ws = jax.lax.scan(body, start, rewards)
+    tree_allclose((autoflat.unwrap(got), ws), (want, want_ws))
+    assert autoflat.unwrap(got)[1].dtype == jnp.float32
 
 
 @claim(FAQ, "Give such leaves a dtype (`jnp.zeros((), jnp.float32)`) to compile once.")

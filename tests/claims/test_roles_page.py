@@ -1496,6 +1496,43 @@ def test_the_first_call_evaluates_one_step_abstractly():
 
 @claim(
     PAGE,
+    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry (`(w, total + loss)` from `total = jnp.asarray(0)`).",
+)
+@claim(
+    PAGE,
+    "A container whose leaf shapes a return position has, but not its dtypes or container types (bfloat16 parameters updated with a float32 rate, a tuple of layers given back as a list), is not matched, and with `num_steps > 1` that is an `autoflat.OptionError`: a `lax.scan` carry keeps its types, so give the new value back as it came in, or name the argument `broadcast=` if that position is something else.",
+)
+def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
+    def body(carry, x):
+        w, total = carry
+        loss = jnp.sum(x * w)
+        return (w - 0.1 * loss, total + loss), loss
+
+    xs = jnp.ones((4, 3))
+    step = autoflat.step(body, num_steps=4)
+    start = (jnp.ones(3), jnp.asarray(0))
+    got, losses = step(start, xs)
+    assert role_line(step, "carry").startswith("state (matched by value")
+    want, want_losses = jax.lax.scan(body, start, xs)
+    np.testing.assert_allclose(autoflat.unwrap(got)[1], want[1], rtol=1e-6)
+
+    def bf16(params, lr, x):
+        g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - lr * g, params, g)
+
+    def as_list(params, x):
+        return [(w - 0.1 * x.sum(), b) for w, b in params]
+
+    with pytest.raises(autoflat.OptionError, match="but not its dtypes"):
+        autoflat.step(bf16, num_steps=4, broadcast="lr")(
+            {"w": jnp.ones((3, 2), jnp.bfloat16)}, jnp.float32(0.1), jnp.ones((4, 5, 3))
+        )
+    with pytest.raises(autoflat.OptionError, match="but not its tree structure"):
+        autoflat.step(as_list, num_steps=4)(((jnp.ones(2), jnp.zeros(2)),), jnp.ones((4, 3)))
+
+
+@claim(
+    PAGE,
     "matches each return position that is not a parameter's name to the parameter whose tree structure, shapes and dtypes it equals",
 )
 @claim(PAGE, "a container or module matches at any position")
