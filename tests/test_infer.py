@@ -266,12 +266,21 @@ def test_alike_state_follows_data_flow_then_names_or_is_an_error():
         step.source
     )
 
-    def mixed(fast, slow, x):  # each new value computed from both: names decide
+    def mixed(fast, slow, x):  # each computed from both, one last operation takes `slow`
         new_slow = {"w": slow["w"] + 0.5 * (fast["w"] - slow["w"])}
         new_fast = {"w": new_slow["w"] + x}
         return new_fast, new_slow
 
     step = autoflat.step(mixed, num_steps=2)
+    step(*start)
+    assert "# slow: state (matched by value and data flow to return position 1)" in step.source
+
+    def averaged(fast, slow, x):  # each computed from both, no last operation takes one
+        new_slow = {"w": 0.5 * (slow["w"] + fast["w"])}
+        new_fast = {"w": 2.0 * (new_slow["w"] + x)}
+        return new_fast, new_slow
+
+    step = autoflat.step(averaged, num_steps=2)
     step(*start)
     assert "# slow: state (matched by value and name to return position 1)" in step.source
 

@@ -483,7 +483,11 @@ def _promoted(a: Any, b: Any) -> bool:
     if shape_a != shape_b:
         return False
     weak = jax.ShapeDtypeStruct(shape_a, dtype_a, weak_type=True)
-    return bool(jax.numpy.result_type(weak, jax.ShapeDtypeStruct(shape_b, dtype_b)) == dtype_b)
+    try:
+        promoted = jax.numpy.result_type(weak, jax.ShapeDtypeStruct(shape_b, dtype_b))
+    except (TypeError, ValueError):
+        return False  # (a PRNG key's dtype takes no part in type promotion)
+    return bool(promoted == dtype_b)
 
 
 def _static(x: Any) -> Any:

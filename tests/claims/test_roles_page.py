@@ -1795,6 +1795,49 @@ def test_alike_parameters_follow_data_flow():
 
 @claim(
     PAGE,
+    "of the ways to pair several, the one where the most positions' last operation takes their parameter's arrays, as a GAN's `apply_updates(gen, ...)` and `apply_updates(disc, ...)` beside two optimizer states)",
+)
+def test_a_gan_of_two_alike_models_and_two_optimizer_states():
+    tx = optax.adam(1e-2)
+
+    def step(gen, disc, gen_opt, disc_opt, x):
+        def d_loss(d):
+            return jnp.mean((x @ d["w"] - x @ gen["w"]) ** 2) + jnp.sum(d["b"] ** 2)
+
+        def g_loss(g):
+            return jnp.mean((x @ g["w"] + disc["b"]) ** 2)
+
+        dg, gg = jax.grad(d_loss)(disc), jax.grad(g_loss)(gen)
+        du, disc_opt2 = tx.update(dg, disc_opt, disc)
+        gu, gen_opt2 = tx.update(gg, gen_opt, gen)
+        return (
+            optax.apply_updates(gen, gu),
+            optax.apply_updates(disc, du),
+            gen_opt2,
+            disc_opt2,
+            d_loss(disc),
+        )
+
+    def model(s):
+        return {"w": jnp.full((3, 3), s), "b": jnp.zeros(3)}
+
+    xs = data(8, 5, 3)
+    start = (model(0.1), model(-0.2), tx.init(model(0.1)), tx.init(model(-0.2)))
+    fast, got = autoflat.step(step, num_steps=K), start
+    for i in (0, K):
+        *got, _ = fast(*got, xs[i : i + K])
+    want = start
+    for x in xs:
+        *want, _ = jax.jit(step)(*want, x)
+    tree_allclose(tuple(got), tuple(want), rtol=1e-5)
+    for name, pos in (("gen", 0), ("disc", 1), ("gen_opt", 2), ("disc_opt", 3)):
+        assert role_line(step=fast, name=name).startswith(
+            f"state (matched by value and data flow to return position {pos})"
+        )
+
+
+@claim(
+    PAGE,
     "where each is computed from several, to the one whose own arrays the last operation takes, `online + updates` beside a target read in the loss",
 )
 def test_an_online_network_beside_its_target():
