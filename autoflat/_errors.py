@@ -362,7 +362,7 @@ every step would start again from the value you passed in. Return it at its own 
 """
 
 STATE_TYPE_CHANGED = """\
-`{name}` ({where}): return position {pos} has the leaf shapes of `{param}`, but not its \
+`{name}` ({where}): return position {pos} has the {shapes} of `{param}`, but not its \
 {what} ({detail}), so it is not taken for the new `{param}`: with num_steps={num_steps}, \
 `{param}` would then be the same every step and position {pos} stacked, each step starting \
 again from the value passed in. If position {pos} is the new `{param}`: a `lax.scan` carry \

@@ -413,3 +413,36 @@ def test_state_given_back_with_another_dtype_or_container_is_an_error_at_several
     for x in xs:
         want = jax.jit(fixed)(want, *extra, x)
     tree_allclose(autoflat.unwrap(carried), want)
+
+
+def _half_count(w, t, x):
+    return w - 0.1 * x, t + 0.5
+
+
+def _half_count_cast(w, t, x):
+    return w - 0.1 * x, (t + 0.5).astype(t.dtype)
+
+
+def test_a_bare_array_given_back_at_its_place_with_another_dtype_is_an_error():
+    """`t + 0.5` for an int32 `t` at its place: under `jax.jit` of a `lax.scan` an error
+    (carry types differ); it was taken as broadcast and the new values stacked, silently.
+    Refused with both fixes; the cast step is carried, equal to the scan."""
+    xs = jnp.ones((4, 3))
+    start = (jnp.zeros(3), jnp.zeros((), jnp.int32))
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(_half_count, num_steps=4)(*start, xs)
+    assert "has the shape of `t`, but not its dtype (int32 comes back as float32)" in str(e.value)
+    assert "`new.astype(t.dtype)`" in str(e.value) and 'broadcast="t"' in str(e.value)
+    got = autoflat.step(_half_count_cast, num_steps=4)(*start, xs)
+    scan = jax.jit(lambda c, xs: jax.lax.scan(lambda c, x: (_half_count_cast(*c, x), None), c, xs))
+    tree_allclose(got, scan(start, xs)[0])
+
+    def mean_loss(w, n, x):  # a loss divided by an int32 count at its place: not its new value
+        return w - 0.1 * x, jnp.sum(w * x) / n
+
+    w, losses = autoflat.step(mean_loss, num_steps=4)(jnp.zeros(3), jnp.asarray(3), xs)
+    want_w, want = jnp.zeros(3), []
+    for x in xs:
+        want_w, loss = jax.jit(mean_loss)(want_w, jnp.asarray(3), x)
+        want.append(loss)
+    tree_allclose((w, losses), (want_w, jnp.stack(want)))

@@ -141,12 +141,15 @@ def flows(
     roles: dict[str, Role],
     num_steps: int,
     split: Callable[[Any], list[Any]],
+    additions: bool = False,
 ) -> list[tuple[frozenset[str], frozenset[str]]]:
     """For each return position (`split` of one step's value), the parameters its arrays
     are computed from, and those whose own arrays are operands of the last operation making
-    them (`p + u`), read off the step's jaxpr. The first is an over-approximation: every
-    output of an operation counts as computed from all of its inputs."""
-    attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split)
+    them (`p + u`; with `additions`, only where that operation is an addition), read off the
+    step's jaxpr. The first is an over-approximation: every output of an operation counts as
+    computed from all of its inputs."""
+    last = ADDITIONS if additions else None
+    attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split, last=last)
     return _traced_on_failure(attempt, values, roles)
 
 
@@ -165,13 +168,13 @@ def flows_traced(
     is not an accumulation); None if the step needs one of them concrete."""
     roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
     try:
-        return _flows(fn, params, values, roles, num_steps, split, numbers, _ADDITIONS)
+        return _flows(fn, params, values, roles, num_steps, split, numbers, ADDITIONS)
     except Exception:
         return None
 
 
 # The operations that accumulate (`flows_traced`).
-_ADDITIONS = frozenset({"add", "sub", "add_any"})
+ADDITIONS = frozenset({"add", "sub", "add_any"})
 
 
 def _flows(
@@ -500,9 +503,10 @@ def _static(x: Any) -> Any:
 
 def same_value(arg: Any, out: Any) -> bool:
     """Whether `out` could be the new value of `arg` as a `lax.scan` carry: the same tree
-    structure, shapes and dtypes, but for a weakly typed leaf of `arg` (made from a Python
-    number) that the step gives back promoted (a counter `jnp.asarray(0)` summing float32
-    rewards), which `lax.scan` promotes too."""
+    structure, shapes and dtypes, but for a weakly typed leaf of a container `arg` (made
+    from a Python number) that the step gives back promoted (a counter `jnp.asarray(0)`
+    summing float32 rewards), which `lax.scan` promotes too. (A bare array is not: a loss
+    divided by a weakly typed count at its place is not the count's new value.)"""
     (t1, s1), (t2, s2) = _signature(arg), _signature(out)
     if t1 != t2:
         return False
@@ -510,7 +514,7 @@ def same_value(arg: Any, out: Any) -> bool:
     for i, (a, b) in enumerate(zip(s1, s2, strict=True)):
         if a == b:
             continue
-        if _promoted(a, b):
+        if _promoted(a, b) and not jax.tree_util.treedef_is_leaf(t1):
             if weak is None:
                 weak = [bool(_jax.weak_type(x)) for x in jax.tree_util.tree_leaves(arg)]
             if weak[i]:

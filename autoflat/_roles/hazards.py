@@ -350,8 +350,32 @@ def refuse_changed_type(
                 what, detail, fix = changed
                 raise error(
                     OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
-                    detail=detail, fix=fix, num_steps=num_steps,
+                    detail=detail, fix=fix, shapes="leaf shapes", num_steps=num_steps,
                 )  # fmt: skip
+
+
+def refuse_bare_retyped(
+    analysis: Analysis,
+    values: dict[str, Any],
+    bare: dict[str, int],
+    outputs: list[Any],
+    takes: Callable[[str, int], bool],
+    num_steps: int,
+) -> None:
+    """A bare array left broadcast, given back at its place (`bare`: the open positions)
+    with its shape but another dtype, made by an operation taking it (`t + 0.5` for an int32
+    `t`): its new value, which a `lax.scan` carry cannot be (its type must stay); left
+    broadcast, every step restarted from it and the new values stacked. Refused, with both
+    fixes."""
+    for p, pos in bare.items():
+        changed = _type_changed(values[p], outputs[pos])
+        if changed is not None and takes(p, pos):
+            detail = changed[1]
+            raise error(
+                OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what="dtype",
+                detail=detail.removeprefix("the value: "), fix="cast to its old dtype: "
+                f"`new.astype({p}.dtype)`", shapes="shape", num_steps=num_steps,
+            )  # fmt: skip
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
@@ -364,6 +388,8 @@ def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
     for (_, a), (_, b) in zip(before, after, strict=True):
         if not (is_array(a) and _is_abstract_array(b)) or np.shape(a) != tuple(b.shape):
             return None
+        if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in (a, b)):
+            return None  # (a typed PRNG key: matched by its own rules)
     treedef: Any = jax.tree_util.tree_structure(value)
     out_treedef = jax.tree_util.tree_structure(out)
     if treedef != out_treedef:

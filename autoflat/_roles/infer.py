@@ -71,6 +71,7 @@ from .hazards import (
     check_written_per_step,
     leading_axis_error,
     raise_leading_axis_errors,
+    refuse_bare_retyped,
     refuse_changed_type,
     refuse_nested_state,
     refuse_passed_through,
@@ -504,6 +505,7 @@ class _Inference:
                     analysis, values, self.pending, self.given_back(counters=False),
                     self.open_positions, self.outputs, num_steps,
                 )  # fmt: skip
+            self._refuse_bare_retyped(first)
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]
             refuse_passed_through(
@@ -537,6 +539,36 @@ class _Inference:
                 param=missing[0],
                 returns="; ".join(r.describe() for r in analysis.returns) or "no return",
             )
+
+    def _refuse_bare_retyped(self, first: Return) -> None:
+        """Bare arrays left broadcast whose place among the parameters that could be state
+        is an open return position made by an addition taking them, given back with another
+        dtype (`hazards.refuse_bare_retyped`)."""
+        given = self.given_back(counters=False)
+        taken = set(given.values())
+        carried = self._carried()
+        places = _matching.places([p for p in self.params if p in carried], first)
+        bare = {
+            p: places[p]
+            for p in self.pending
+            if p not in given
+            and p in places
+            and places[p] in self.open_positions
+            and places[p] not in taken
+            and is_array(self.values[p])
+        }
+        if bare:
+            # Made by an addition taking it (`t + 0.5`), not a loss divided by a count.
+            added = functools.cache(
+                lambda: flows(
+                    self.fn, self.params, self.values, self.for_eval, self.num_steps,
+                    lambda o: positions_of(first, o), additions=True,
+                )
+            )  # fmt: skip
+            refuse_bare_retyped(
+                self.analysis, self.values, bare, self.outputs or [],
+                lambda p, pos: p in added()[pos][1], self.num_steps,
+            )  # fmt: skip
 
     def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:
         """A bare array taken per-step by its leading axis (rule 10), whose place among the

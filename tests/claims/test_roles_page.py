@@ -1496,11 +1496,15 @@ def test_the_first_call_evaluates_one_step_abstractly():
 
 @claim(
     PAGE,
-    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry (`(w, total + loss)` from `total = jnp.asarray(0)`).",
+    "a weakly typed leaf of a container (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry (`(w, total + loss)` from `total = jnp.asarray(0)`).",
 )
 @claim(
     PAGE,
     "A container whose leaf shapes a return position has, but not its dtypes or container types (bfloat16 parameters updated with a float32 rate, a tuple of layers given back as a list), is not matched, and with `num_steps > 1` that is an `autoflat.OptionError`: a `lax.scan` carry keeps its types, so give the new value back as it came in, or name the argument `broadcast=` if that position is something else.",
+)
+@claim(
+    PAGE,
+    "So is a bare array given back at its place with its shape but another dtype, by an operation taking it (`t + 0.5` for an int32 `t`).",
 )
 def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
     def body(carry, x):
@@ -1529,6 +1533,12 @@ def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
         )
     with pytest.raises(autoflat.OptionError, match="but not its tree structure"):
         autoflat.step(as_list, num_steps=4)(((jnp.ones(2), jnp.zeros(2)),), jnp.ones((4, 3)))
+
+    def half(w, t, x):
+        return w - 0.1 * x, t + 0.5
+
+    with pytest.raises(autoflat.OptionError, match="has the shape of `t`, but not its dtype"):
+        autoflat.step(half, num_steps=4)(jnp.zeros(3), jnp.zeros((), jnp.int32), jnp.ones((4, 3)))
 
 
 @claim(
