@@ -446,3 +446,26 @@ def test_a_bare_array_given_back_at_its_place_with_another_dtype_is_an_error():
         want_w, loss = jax.jit(mean_loss)(want_w, jnp.asarray(3), x)
         want.append(loss)
     tree_allclose((w, losses), (want_w, jnp.stack(want)))
+
+
+def test_a_tuple_output_with_a_broadcast_dicts_leaf_shapes_is_not_refused():
+    """A rollout step whose per-step `(reward, done)` has the leaf shapes of the policy's
+    `{"w", "b"}` scalars: another kind of tree (a dict is not a tuple), so no refusal;
+    the output is stacked and `params` broadcast, as a `jax.jit` loop gives it."""
+
+    def rollout(params, pos, key, x):
+        key, sub = jax.random.split(key)
+        action = jnp.tanh(params["w"] * pos + params["b"]) + 0.1 * jax.random.normal(sub) + x
+        pos = pos + action
+        return pos, key, (-jnp.abs(pos), pos > 1.0)
+
+    params = {"w": jnp.float32(0.5), "b": jnp.float32(0.1)}
+    xs = jnp.linspace(0.0, 0.3, 4)
+    pos, key, (rewards, done) = autoflat.step(rollout, num_steps=4)(
+        params, jnp.float32(0.0), jax.random.key(0), xs
+    )
+    want_pos, want_key, want = jnp.float32(0.0), jax.random.key(0), []
+    for x in xs:
+        want_pos, want_key, out = jax.jit(rollout)(params, want_pos, want_key, x)
+        want.append(out)
+    tree_allclose((pos, rewards, done), (want_pos, *map(jnp.stack, zip(*want, strict=True))))

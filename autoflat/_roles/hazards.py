@@ -394,7 +394,7 @@ def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
     out_treedef = jax.tree_util.tree_structure(out)
     if treedef != out_treedef:
         if _skeleton(treedef) != _skeleton(out_treedef):
-            return None  # (another shape of tree: a loss beside a one-leaf dict)
+            return None  # (another tree: a loss beside a one-leaf dict, a tuple beside a dict)
         return (
             "tree structure",
             f"{_outer(value)} comes back as {_outer(out)}",
@@ -413,10 +413,14 @@ def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
 
 
 def _skeleton(treedef: Any) -> Any:
-    """A tree structure with its node types left out: the number of children, nested."""
+    """A tree structure with tuples, lists and named tuples alike (a sequence of so many
+    children), other nodes (a dict and its keys, a module) as they are."""
     if jax.tree_util.treedef_is_leaf(treedef):
         return "*"
-    return tuple(_skeleton(c) for c in treedef.children())
+    kind, data = treedef.node_data()
+    if kind in (tuple, list) or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        kind, data = "sequence", None
+    return kind, data, tuple(_skeleton(c) for c in treedef.children())
 
 
 def _is_abstract_array(x: Any) -> bool:
