@@ -322,8 +322,8 @@ NUMBER_ADDED = """\
 `{name}` ({where}): return position {pos} is a scalar made by adding to `{param}` (a Python \
 {type}, {value} at this call), and sits at the place `{param}` has among the parameters that \
 could be state. With num_steps={num_steps}, autoflat cannot tell a running sum carried from \
-step to step (a `total` that started at 0) from a constant added to a per-step value \
-(`loss + eps`). If it is a running sum, carried as a `lax.scan` carries it:
+step to step and resumed from {value} from a constant the step adds a per-step value to \
+(`eps + loss`). If it is a running sum, carried as a `lax.scan` carries it:
 
     @autoflat.step(..., state={{"{param}": {pos}}})
 
@@ -362,7 +362,7 @@ every step would start again from the value you passed in. Return it at its own 
 """
 
 STATE_TYPE_CHANGED = """\
-`{name}` ({where}): return position {pos} has the {shapes} of `{param}`, but not its \
+`{name}` ({where}): return position {pos} has the leaf shapes of `{param}`, but not its \
 {what} ({detail}), so it is not taken for the new `{param}`: with num_steps={num_steps}, \
 `{param}` would then be the same every step and position {pos} stacked, each step starting \
 again from the value passed in. If position {pos} is the new `{param}`: a `lax.scan` carry \

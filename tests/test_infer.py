@@ -266,21 +266,12 @@ def test_alike_state_follows_data_flow_then_names_or_is_an_error():
         step.source
     )
 
-    def mixed(fast, slow, x):  # each computed from both, one last operation takes `slow`
+    def mixed(fast, slow, x):  # each new value computed from both: names decide
         new_slow = {"w": slow["w"] + 0.5 * (fast["w"] - slow["w"])}
         new_fast = {"w": new_slow["w"] + x}
         return new_fast, new_slow
 
     step = autoflat.step(mixed, num_steps=2)
-    step(*start)
-    assert "# slow: state (matched by value and data flow to return position 1)" in step.source
-
-    def averaged(fast, slow, x):  # each computed from both, no last operation takes one
-        new_slow = {"w": 0.5 * (slow["w"] + fast["w"])}
-        new_fast = {"w": 2.0 * (new_slow["w"] + x)}
-        return new_fast, new_slow
-
-    step = autoflat.step(averaged, num_steps=2)
     step(*start)
     assert "# slow: state (matched by value and name to return position 1)" in step.source
 
@@ -1779,29 +1770,40 @@ def _plus_eps(w, eps, x):
     return w - 0.01 * x, loss + eps
 
 
-def test_a_python_number_added_that_does_not_start_at_zero_is_an_error_naming_both_readings():
-    """`loss + eps` at the place of `eps=1e-3`, or a running sum resumed from 3.0: a sum
-    starts at 0, a constant need not. autoflat will not choose; either fix runs as
-    `jax.jit` does."""
+def _minus_best(w, f_star, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.01 * x, loss - f_star
+
+
+def _resumed(w, total, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.01 * x, total + loss
+
+
+def test_a_python_number_added_to_a_loss_stays_static_and_a_resumed_sum_is_an_error():
+    """`loss + eps` and `loss - f_star` at the number's place do not accumulate it (the
+    number is not the first operand, as in `total + loss` and `total - x`), so it stays
+    static, whatever its value (`f_star=0.0` was carried, each step subtracting the
+    previous output). A running sum resumed from a nonzero value is an error naming both
+    readings; either fix runs as `jax.jit` does."""
     xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
-    step = autoflat.step(_plus_eps, num_steps=4)
+    cases = ((_plus_eps, 1e-3), (_plus_eps, 0.0), (_minus_best, 0.0), (_minus_best, 0.25))
+    for fn, value in cases:
+        step = autoflat.step(fn, num_steps=4)
+        w, outs = step(jnp.zeros(3), value, xs)
+        want_w, want = jnp.zeros(3), []
+        for x in xs:
+            want_w, out = jax.jit(fn, static_argnums=1)(want_w, value, x)
+            want.append(out)
+        tree_allclose((w, outs), (want_w, jnp.stack(want)))
     with pytest.raises(autoflat.OptionError) as e:
-        step(jnp.zeros(3), 1e-3, xs)
+        autoflat.step(_resumed, num_steps=4)(jnp.zeros(3), 3.0, xs)
     message = str(e.value)
-    assert "`eps` (a Python float, 0.001 at this call)" in message
-    assert 'state={"eps": 1}' in message and 'static_argnames="eps"' in message
-    # the constant: a per-step output, as a jax.jit loop gives it
-    static = autoflat.step(_plus_eps, num_steps=4, static_argnames="eps")
-    w, losses = static(jnp.zeros(3), 1e-3, xs)
-    want_w, want = jnp.zeros(3), []
-    for x in xs:
-        want_w, loss = jax.jit(_plus_eps, static_argnames="eps")(want_w, 1e-3, x)
-        want.append(loss)
-    tree_allclose((w, losses), (want_w, jnp.stack(want)))
-    # the running sum resumed: carried, as jax.jit of a lax.scan carries it
-    carried = autoflat.step(_plus_eps, num_steps=4, state={"eps": 1})
+    assert "`total` (a Python float, 3.0 at this call)" in message
+    assert 'state={"total": 1}' in message and 'static_argnames="total"' in message
+    carried = autoflat.step(_resumed, num_steps=4, state={"total": 1})
 
     def scan(w, t, xs):
-        return jax.lax.scan(lambda c, x: (_plus_eps(*c, x), None), (w, t), xs)[0]
+        return jax.lax.scan(lambda c, x: (_resumed(*c, x), None), (w, t), xs)[0]
 
     tree_allclose(carried(jnp.zeros(3), 3.0, xs), jax.jit(scan)(jnp.zeros(3), 3.0, xs))

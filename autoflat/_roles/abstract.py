@@ -267,8 +267,8 @@ def _walk(
     are operands of the operation making it (`p + u` in `optax.apply_updates`), and the
     parameter it is the own leaf of, through casts and reshapes. A call of a jaxpr (a
     `jax.jit`-ed helper, a custom derivative, a remat) is walked into; another operation
-    holding jaxprs (a scan, a cond) takes no operand directly, nor, given `last`, one whose
-    name is not in it."""
+    holding jaxprs (a scan, a cond) takes no operand directly; given `last` (additions),
+    only an operation of those names does, and only its first operand."""
     source: dict[Any, frozenset[str]] = dict(zip(_jax.inputs(jaxpr), sources_in, strict=True))
     root: dict[Any, str] = {
         v: r for v, r in zip(_jax.inputs(jaxpr), roots_in, strict=True) if r is not None
@@ -293,8 +293,15 @@ def _walk(
             continue
         found = _NONE.union(*(source.get(v, _NONE) for v in ins))
         holds = _jax.holds_jaxprs(eqn)
-        takes = not holds and (last is None or _jax.name(eqn) in last)
-        near = frozenset(root[v] for v in ins if v in root) if takes else _NONE
+        if last is None:
+            operands = [] if holds else ins
+        else:
+            # An accumulation's own value is its first operand (`total + loss`, `t - 1`):
+            # `loss + beta` and `loss - f_star` do not accumulate `beta` or `f_star`.
+            first = list(_jax.inputs(eqn)[:1])
+            takes = _jax.name(eqn) in last and first and not _jax.is_literal(first[0])
+            operands = first if takes else []
+        near = frozenset(root[v] for v in operands if v in root)
         through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
         for v in _jax.outputs(eqn):
             source[v] = found
@@ -501,12 +508,12 @@ def _static(x: Any) -> Any:
         return id(x)
 
 
-def same_value(arg: Any, out: Any) -> bool:
+def same_value(arg: Any, out: Any, promote: bool = False) -> bool:
     """Whether `out` could be the new value of `arg` as a `lax.scan` carry: the same tree
-    structure, shapes and dtypes, but for a weakly typed leaf of a container `arg` (made
-    from a Python number) that the step gives back promoted (a counter `jnp.asarray(0)`
-    summing float32 rewards), which `lax.scan` promotes too. (A bare array is not: a loss
-    divided by a weakly typed count at its place is not the count's new value.)"""
+    structure, shapes and dtypes; with `promote`, also where a weakly typed leaf of `arg`
+    (made from a Python number) comes back promoted (a counter `jnp.asarray(0)` summing
+    float32 rewards), as `lax.scan` promotes a carry (`_Inference._match_promoted` asks for
+    more evidence then)."""
     (t1, s1), (t2, s2) = _signature(arg), _signature(out)
     if t1 != t2:
         return False
@@ -514,7 +521,7 @@ def same_value(arg: Any, out: Any) -> bool:
     for i, (a, b) in enumerate(zip(s1, s2, strict=True)):
         if a == b:
             continue
-        if _promoted(a, b) and not jax.tree_util.treedef_is_leaf(t1):
+        if promote and _promoted(a, b):
             if weak is None:
                 weak = [bool(_jax.weak_type(x)) for x in jax.tree_util.tree_leaves(arg)]
             if weak[i]:

@@ -330,13 +330,14 @@ def refuse_changed_type(
     positions: list[int],
     outputs: list[Any],
     num_steps: int,
+    evidence: Callable[[str, int], bool],
 ) -> None:
     """A container argument left broadcast where an open return position has its leaf
-    shapes but another dtype (bfloat16 parameters updated with a float32 rate) or container
-    type (a tuple of layers given back as a list): the new state, unless the step gives back
-    something else with its shapes; as a `lax.scan` carry it cannot be (its types must stay),
-    and left broadcast every step would restart from the value passed in. Refused, with
-    both fixes. (A weakly typed leaf promoted is matched: `abstract.same_value`.)"""
+    shapes, its tree (tuples and lists alike) and evidence of being its new value
+    (`evidence`: `_Inference._new_value_of`), but another dtype (bfloat16 parameters updated
+    with a float32 rate) or container type (a tuple of layers given back as a list): as a
+    `lax.scan` carry it cannot be (its types must stay), and left broadcast every step
+    would restart from the value passed in. Refused, with both fixes."""
     taken = set(given_back.values())
     for p in pending:
         value = values[p]
@@ -346,36 +347,12 @@ def refuse_changed_type(
             if pos in taken:
                 continue
             changed = _type_changed(value, outputs[pos])
-            if changed is not None:
+            if changed is not None and evidence(p, pos):
                 what, detail, fix = changed
                 raise error(
                     OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
-                    detail=detail, fix=fix, shapes="leaf shapes", num_steps=num_steps,
+                    detail=detail, fix=fix, num_steps=num_steps,
                 )  # fmt: skip
-
-
-def refuse_bare_retyped(
-    analysis: Analysis,
-    values: dict[str, Any],
-    bare: dict[str, int],
-    outputs: list[Any],
-    takes: Callable[[str, int], bool],
-    num_steps: int,
-) -> None:
-    """A bare array left broadcast, given back at its place (`bare`: the open positions)
-    with its shape but another dtype, made by an operation taking it (`t + 0.5` for an int32
-    `t`): its new value, which a `lax.scan` carry cannot be (its type must stay); left
-    broadcast, every step restarted from it and the new values stacked. Refused, with both
-    fixes."""
-    for p, pos in bare.items():
-        changed = _type_changed(values[p], outputs[pos])
-        if changed is not None and takes(p, pos):
-            detail = changed[1]
-            raise error(
-                OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what="dtype",
-                detail=detail.removeprefix("the value: "), fix="cast to its old dtype: "
-                f"`new.astype({p}.dtype)`", shapes="shape", num_steps=num_steps,
-            )  # fmt: skip
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
@@ -410,6 +387,21 @@ def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
                 "new.astype(old.dtype), new, old)`",
             )
     return None
+
+
+def has_named_parts(value: Any) -> bool:
+    """Whether the tree of `value` has a node other than a tuple or a list: a dict (its
+    keys), a named tuple, a dataclass or a module (its fields)."""
+    return _named(jax.tree_util.tree_structure(value))
+
+
+def _named(treedef: Any) -> bool:
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return False
+    kind, _ = treedef.node_data()
+    if kind not in (tuple, list):
+        return True
+    return any(_named(c) for c in treedef.children())
 
 
 def _skeleton(treedef: Any) -> Any:

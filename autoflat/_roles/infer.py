@@ -69,9 +69,9 @@ from .hazards import (
     check_per_step_returned,
     check_state_at,
     check_written_per_step,
+    has_named_parts,
     leading_axis_error,
     raise_leading_axis_errors,
-    refuse_bare_retyped,
     refuse_changed_type,
     refuse_nested_state,
     refuse_passed_through,
@@ -175,6 +175,7 @@ class _Inference:
         self.open_positions: list[int] = []
         self.outputs: list[Any] | None = None
         self.pending: list[str] = []
+        self._added: list[tuple[frozenset[str], frozenset[str]]] | None = None  # additions
 
     def given_back(self, counters: bool = True) -> dict[str, int]:
         """Every parameter a return position gives back, with its position (with or without
@@ -452,12 +453,13 @@ class _Inference:
         found: dict[str, int],
     ) -> dict[str, int]:
         """Python numbers a return position at their place gives back as a scalar array
-        made by adding to the number itself (`total + loss`, from `total=0.0`):
-        accumulators, carried as arrays as a `lax.scan` carries them. Read off the step
-        traced with those numbers traced, as `jax.jit` traces them; a loss beside a static
-        number (`num_classes`) is not computed from it, a product (`loss * scale`) is not a
-        sum, and one the step needs concrete stays static. A number added to that does not
-        start at 0 may be a constant (`loss + eps`): an error names both readings."""
+        made by an addition whose first operand is the number (`total + loss`, from
+        `total=0.0`): accumulators, carried as arrays as a `lax.scan` carries them. Read off
+        the step traced with those numbers traced, as `jax.jit` traces them; a loss beside a
+        static number (`num_classes`) is not computed from it, a product (`loss * scale`)
+        is not a sum, nor is a number added to a loss (`loss + eps`), and one the step needs
+        concrete stays static. A sum resumed from a number that is not 0 may be a constant
+        the step adds to (`eps + loss`): an error names both readings."""
         open_ = {
             p: places[p]
             for p in numbers
@@ -473,7 +475,7 @@ class _Inference:
             return {}
         added = {p: pos for p, pos in open_.items() if p in direct[pos][1]}
         for p, pos in added.items():
-            if self.values[p] != 0:  # (a sum starts at 0: `loss + eps` may be a constant)
+            if self.values[p] != 0:  # (a sum starts at 0: `eps + loss` may be a constant)
                 raise error(
                     OptionError, NUMBER_ADDED, self.analysis, param=p, pos=pos,
                     type=type(self.values[p]).__name__, value=self.values[p],
@@ -499,13 +501,16 @@ class _Inference:
         analysis, values, num_steps, first = self.analysis, self.values, self.num_steps, self.first
         if self.state_at:
             check_state_at(analysis, values, self.state_at, positions_of(first, self.evaluate()))
+        self._match_promoted()
         if num_steps > 1 and self.outputs and first is not None:
-            for refuse in (refuse_nested_state, refuse_changed_type):
-                refuse(
-                    analysis, values, self.pending, self.given_back(counters=False),
-                    self.open_positions, self.outputs, num_steps,
-                )  # fmt: skip
-            self._refuse_bare_retyped(first)
+            refuse_nested_state(
+                analysis, values, self.pending, self.given_back(counters=False),
+                self.open_positions, self.outputs, num_steps,
+            )  # fmt: skip
+            refuse_changed_type(
+                analysis, values, self.pending, self.given_back(counters=False),
+                self.open_positions, self.outputs, num_steps, self._new_value_of,
+            )  # fmt: skip
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]
             refuse_passed_through(
@@ -540,35 +545,57 @@ class _Inference:
                 returns="; ".join(r.describe() for r in analysis.returns) or "no return",
             )
 
-    def _refuse_bare_retyped(self, first: Return) -> None:
-        """Bare arrays left broadcast whose place among the parameters that could be state
-        is an open return position made by an addition taking them, given back with another
-        dtype (`hazards.refuse_bare_retyped`)."""
+    def _match_promoted(self) -> None:
+        """Rule 3 for a weakly typed leaf (made from a Python number) that the step gives
+        back promoted (`total + loss` from `jnp.asarray(0)`, a dict of episode counters
+        summing float32 rewards): matched, as `lax.scan` promotes such a carry, where the
+        position is that parameter's new value by more than its value (`_new_value_of`);
+        a bare array only at its place. (A metrics tuple alike a weakly typed pair of clip
+        bounds is not their new value.)"""
+        first, outputs = self.first, self.outputs
+        if first is None or not outputs:
+            return
         given = self.given_back(counters=False)
         taken = set(given.values())
+        left = [pos for pos in self.open_positions if pos not in taken]
         carried = self._carried()
         places = _matching.places([p for p in self.params if p in carried], first)
-        bare = {
-            p: places[p]
-            for p in self.pending
-            if p not in given
-            and p in places
-            and places[p] in self.open_positions
-            and places[p] not in taken
-            and is_array(self.values[p])
-        }
-        if bare:
-            # Made by an addition taking it (`t + 0.5`), not a loss divided by a count.
-            added = functools.cache(
-                lambda: flows(
-                    self.fn, self.params, self.values, self.for_eval, self.num_steps,
-                    lambda o: positions_of(first, o), additions=True,
-                )
+        for p in self.pending:
+            value = self.values[p]
+            if p in given or p in self.matched:
+                continue
+            bare = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+            spots = [places[p]] if bare and p in places else [] if bare else list(left)
+            for pos in spots:
+                if (
+                    pos in left
+                    and not same_value(value, outputs[pos])
+                    and same_value(value, outputs[pos], promote=True)
+                    and self._new_value_of(p, pos)
+                ):
+                    self.matched[p] = (
+                        pos,
+                        f"matched by value to return position {pos}, weakly typed leaves "
+                        "promoted as lax.scan promotes a carry",
+                    )
+                    left.remove(pos)
+                    break
+
+    def _new_value_of(self, p: str, pos: int) -> bool:
+        """Evidence beyond its value that return position `pos` is `p`'s new value: made by
+        an addition whose first operand is `p`'s own array (`p - lr * g`, `total + loss`),
+        or a tree with named parts (a dict, a named tuple, a dataclass) computed from `p`
+        (a dict of counters updated by `(n + r) * (1 - done)`)."""
+        first = self.first
+        assert first is not None
+        if self._added is None:
+            self._added = flows(
+                self.fn, self.params, self.values, self.for_eval, self.num_steps,
+                lambda o: positions_of(first, o), additions=True,
             )  # fmt: skip
-            refuse_bare_retyped(
-                self.analysis, self.values, bare, self.outputs or [],
-                lambda p, pos: p in added()[pos][1], self.num_steps,
-            )  # fmt: skip
+        if p in self._added[pos][1]:
+            return True
+        return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos][0]
 
     def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:
         """A bare array taken per-step by its leading axis (rule 10), whose place among the

@@ -290,7 +290,7 @@ def settle_alike(
     """Parameters alike (`ema_params, params`; a GAN's two models of one shape; an online and
     a target network) over positions alike: of the ways to give the positions to as many
     parameters, the one under which each position is computed from its parameter (the step's
-    data flow; of several, the one where the most positions' last operation takes their
+    data flow; of several, the one where each position's last operation takes its
     parameter's own arrays, `online + updates` beside a target network read in the loss),
     else the one whose returned names share most words with the parameters' (`new_ema` and
     `ema_params`), else None: parameter order is no evidence (`return new_params, new_ema`
@@ -308,15 +308,10 @@ def settle_alike(
     sources = flow()
     flowing = [a for a in options if all(p in sources[pos][0] for p, pos in a)]
     if len(flowing) > 1:
-        # Each computed from several: the one where the most positions' last operation takes
-        # their parameter's own arrays (`online + updates`, beside a target net in the loss;
-        # a GAN's `apply_updates(gen, ...)`, beside optimizer states that no last operation
-        # takes whole), if one has more than every other.
-        taking = sorted(
-            ((sum(p in sources[pos][1] for p, pos in a), a) for a in flowing), reverse=True
-        )
-        if taking[0][0] > taking[1][0]:
-            flowing = [taking[0][1]]
+        # Each computed from several: the one where each position's last operation takes
+        # its parameter's own arrays (`online + updates`, beside a target net in the loss).
+        near = [a for a in flowing if all(p in sources[pos][1] for p, pos in a)]
+        flowing = near if len(near) == 1 else flowing
     if len(flowing) == 1:
         return {
             p: (pos, f"matched by value and data flow to return position {pos}")
