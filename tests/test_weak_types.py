@@ -473,3 +473,34 @@ def test_a_tuple_output_with_a_broadcast_dicts_leaf_shapes_is_not_refused():
         want_pos, want_key, out = jax.jit(rollout)(params, want_pos, want_key, x)
         want.append(out)
     tree_allclose((pos, rewards, done), (want_pos, *map(jnp.stack, zip(*want, strict=True))))
+
+
+def test_broadcast_containers_beside_outputs_of_their_leaf_shapes_are_not_refused():
+    """Found refused by the type-change check before it asked for evidence: a dict of
+    hyperparameter arrays beside a metrics dict of other keys, and int `(labels, mask)`
+    beside per-token float `(loss, correct)`. Neither output is the new value of the input:
+    per-step outputs, as a `jax.jit` loop gives them."""
+
+    def with_hp(w, hp, x):
+        g = x - w
+        w = w - hp["lr"] * g - hp["wd"] * w
+        return w, {"loss": jnp.sum(g**2), "gnorm": jnp.sqrt(jnp.sum(g**2))}
+
+    def per_token(w, targets, x):
+        labels, mask = targets
+        logits = x[:, None] * w
+        loss = (logits - labels) ** 2 * mask
+        correct = (jnp.round(logits) == labels).astype(jnp.float32)
+        return w - 0.01 * jnp.mean(loss), (loss, correct)
+
+    hp = {"lr": jnp.float32(0.1), "wd": jnp.float32(0.01)}
+    targets = (jnp.ones((3, 2), jnp.int32), jnp.ones((3, 2), jnp.int32))
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    for fn, other, n in ((with_hp, hp, 3), (per_token, targets, 2)):
+        w, outs = autoflat.step(fn, num_steps=4)(jnp.full(n, 0.5), other, xs)
+        want_w, want = jnp.full(n, 0.5), []
+        for x in xs:
+            want_w, out = jax.jit(fn)(want_w, other, x)
+            want.append(out)
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *want)
+        tree_allclose((w, outs), (want_w, stacked))
