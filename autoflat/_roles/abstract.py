@@ -173,7 +173,8 @@ def flows_traced(
         return None
 
 
-# The operations that accumulate (`flows_traced`).
+# The operations that accumulate, their first operand the running value (`flows_traced`,
+# `flows(additions=True)`).
 ADDITIONS = frozenset({"add", "sub", "add_any"})
 
 

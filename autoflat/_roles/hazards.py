@@ -23,7 +23,7 @@ option that settles it, since guessed wrong it trains silently wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -299,27 +299,35 @@ def refuse_nested_state(
     """A container argument left broadcast whose value comes back nested inside an output
     (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
     value passed in, silently. Refused, with the fix."""
+    for p, pos in _open_containers(values, pending, given_back, positions):
+        path = _nested_path(values[p], outputs[pos], p)
+        if path is not None:
+            raise error(
+                OptionError,
+                STATE_NESTED,
+                analysis,
+                param=p,
+                pos=pos,
+                path=f"[{pos}]{path}",
+                num_steps=num_steps,
+            )
+
+
+def _open_containers(
+    values: dict[str, Any], pending: list[str], given_back: dict[str, int], positions: list[int]
+) -> Iterator[tuple[str, int]]:
+    """Each container argument with arrays that no position gives back, with each open
+    return position (a bare array is matched only at its place, with its data flow)."""
     taken = set(given_back.values())
     for p in pending:
         value = values[p]
         if p in given_back or not jax.tree_util.tree_leaves(value):
             continue
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            continue  # a bare array: a nested match says little
+            continue
         for pos in positions:
-            if pos in taken:
-                continue
-            path = _nested_path(value, outputs[pos], p)
-            if path is not None:
-                raise error(
-                    OptionError,
-                    STATE_NESTED,
-                    analysis,
-                    param=p,
-                    pos=pos,
-                    path=f"[{pos}]{path}",
-                    num_steps=num_steps,
-                )
+            if pos not in taken:
+                yield p, pos
 
 
 def refuse_changed_type(
@@ -338,21 +346,14 @@ def refuse_changed_type(
     with a float32 rate) or container type (a tuple of layers given back as a list): as a
     `lax.scan` carry it cannot be (its types must stay), and left broadcast every step
     would restart from the value passed in. Refused, with both fixes."""
-    taken = set(given_back.values())
-    for p in pending:
-        value = values[p]
-        if p in given_back or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
-            continue  # (a bare array: matched only at its place, with its data flow)
-        for pos in positions:
-            if pos in taken:
-                continue
-            changed = _type_changed(value, outputs[pos])
-            if changed is not None and evidence(p, pos):
-                what, detail, fix = changed
-                raise error(
-                    OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
-                    detail=detail, fix=fix, num_steps=num_steps,
-                )  # fmt: skip
+    for p, pos in _open_containers(values, pending, given_back, positions):
+        changed = _type_changed(values[p], outputs[pos])
+        if changed is not None and evidence(p, pos):
+            what, detail, fix = changed
+            raise error(
+                OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
+                detail=detail, fix=fix, num_steps=num_steps,
+            )  # fmt: skip
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:

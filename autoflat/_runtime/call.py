@@ -274,6 +274,8 @@ def _nnx_kept(hit: _nnx.NnxCache, arrays: list[Any]) -> list[int]:
     indices = list(range(len(arrays)))
     if hit.links is None:
         return held_elsewhere(arrays, indices, 2)
+    # Counted every call, not kept: two Variables may hold one array on one call and not on
+    # the next, and a count too high would miss an array the caller kept.
     leaves = collections.Counter(id(a) for held in hit.arrays.values() for a in held)
     return held_elsewhere(arrays, indices, [1 + leaves[id(a)] for a in arrays])
 

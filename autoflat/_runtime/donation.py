@@ -101,10 +101,8 @@ def held_elsewhere(
     (`arrays` among them; one number for all, or one per index) refer to: something besides
     autoflat holds them."""
     counts = refcounts(arrays, tuple(indices))
-    if isinstance(holders, int):
-        expected = HELD_BY_US - 3 + holders
-        return [i for i, n in zip(indices, counts, strict=True) if n > expected]
-    return [i for i, n, h in zip(indices, counts, holders, strict=True) if n > HELD_BY_US - 3 + h]
+    each = [holders] * len(indices) if isinstance(holders, int) else holders
+    return [i for i, n, h in zip(indices, counts, each, strict=True) if n > HELD_BY_US - 3 + h]
 
 
 def refcounts(leaves: list[Any], positions: tuple[int, ...]) -> list[int]:
