@@ -320,10 +320,10 @@ or pass it as a Python float (static: a new value compiles a new version). Only 
 
 NUMBER_ADDED = """\
 `{name}` ({where}): return position {pos} is a scalar made by adding to `{param}` (a Python \
-{type}, {value} at this call), and sits at the place `{param}` has among the parameters that \
-could be state. With num_steps={num_steps}, autoflat cannot tell a running sum carried from \
-step to step and resumed from {value} from a constant the step adds a per-step value to \
-(`eps + loss`). If it is a running sum, carried as a `lax.scan` carries it:
+{type}, {value} at this call), and {placed}. With num_steps={num_steps}, autoflat cannot \
+tell a running sum carried from step to step and resumed from {value} from a constant the \
+step adds a per-step value to (`eps + loss`). If it is a running sum, carried as a \
+`lax.scan` carries it:
 
     @autoflat.step(..., state={{"{param}": {pos}}})
 
@@ -370,6 +370,18 @@ keeps its types, so give it back as it came in ({fix}); autoflat then carries it
 `{param}` is the same every step and position {pos} is something else:
 
     @autoflat.step(..., broadcast="{param}")
+"""
+
+STATE_UNLINKED = """\
+`{name}` ({where}): return position {pos} has the tree structure, shapes and dtypes of \
+`{param}`, but {why}: only its type says it is `{param}`'s new value (a metrics tuple can \
+look like a pair of clip bounds, gradients like a teacher's parameters). With \
+num_steps={num_steps} the reading matters: as state, each step starts from what the one \
+before gave back at position {pos}; as broadcast, each step starts from the value passed in \
+and position {pos} is stacked. Say which:
+
+    @autoflat.step(..., state={{"{param}": {pos}}})  # position {pos} is the new `{param}`
+    @autoflat.step(..., broadcast="{param}")  # `{param}` is the same every step
 """
 
 STATE_NOT_MATCHED = """\

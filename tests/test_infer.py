@@ -1807,3 +1807,223 @@ def test_a_python_number_added_to_a_loss_stays_static_and_a_resumed_sum_is_an_er
         return jax.lax.scan(lambda c, x: (_resumed(*c, x), None), (w, t), xs)[0]
 
     tree_allclose(carried(jnp.zeros(3), 3.0, xs), jax.jit(scan)(jnp.zeros(3), 3.0, xs))
+
+
+_TX = optax.sgd(0.1)
+
+
+def _clipped(w, opt_state, bounds, x):
+    lo, hi = bounds
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    u, opt_state = _TX.update(jnp.clip(g, lo, hi), opt_state)
+    w = optax.apply_updates(w, u)
+    return w, opt_state, (loss, jnp.mean(w))
+
+
+def _tracked(w, opt_state, tracker, x):
+    count, _ = tracker
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+    u, opt_state = _TX.update(g, opt_state)
+    return optax.apply_updates(w, u), opt_state, (count + 1.0, loss)
+
+
+def _lstm_carry(w, carry, x):
+    h, c = carry
+    c = 0.5 * c + jnp.tanh(x @ w + h)
+    h = jnp.tanh(c) * 0.9
+    return w - 0.01 * jnp.outer(x, h).sum(0), (h, c)
+
+
+def test_a_container_alike_an_output_that_is_not_computed_from_it_is_asked_about():
+    """A tuple of clip bounds beside a metrics tuple of the same types: the metrics' loss is
+    not computed from the bounds, so only the types link them. It was carried as the bounds'
+    new value at num_steps > 1, each step clipping with the previous step's metrics: silently
+    wrong. Now an error naming the leaf and both fixes; `broadcast=` runs as `jax.jit`. At one
+    step a call nothing is carried: it runs as before. A tuple whose every leaf is computed
+    from it (an LSTM's carry) or made by an addition taking its own leaf (`count + 1` beside
+    the last loss) is still its new value."""
+    xs = jnp.arange(12.0).reshape(4, 1, 3) / 10
+    w0, bounds = jnp.ones(3), (jnp.float32(-1.0), jnp.float32(1.0))
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(_clipped, num_steps=4)(w0, _TX.init(w0), bounds, xs)
+    message = str(e.value)
+    assert "return position 2 has the tree structure, shapes and dtypes of `bounds`" in message
+    assert "its leaf at `[0]` is not computed from `bounds`" in message
+    assert 'state={"bounds": 2}' in message and 'broadcast="bounds"' in message
+    assert "test_infer.py" in message
+
+    def reference(state, n, fn, rest=()):
+        outs = []
+        for i in range(n):
+            *state, out = jax.jit(fn)(*state, *rest, xs[i])
+            outs.append(out)
+        return state, outs
+
+    (want_w, want_o), want = reference((w0, _TX.init(w0)), 4, _clipped, (bounds,))
+    step = autoflat.step(_clipped, num_steps=4, broadcast="bounds")
+    w, o, metrics = step(w0, _TX.init(w0), bounds, xs)
+    tree_allclose((w, o, metrics), (want_w, want_o, jax.tree.map(lambda *m: jnp.stack(m), *want)))
+    one = autoflat.step(_clipped)
+    w, o = w0, _TX.init(w0)
+    for i in range(4):
+        w, o, _ = one(w, o, bounds, xs[i])
+    tree_allclose((w, o), (want_w, want_o))
+
+    tracker = (jnp.float32(0.0), jnp.float32(0.0))
+    step = autoflat.step(_tracked, num_steps=4)
+    got = step(w0, _TX.init(w0), tracker, xs)
+    assert "# tracker: state (matched by value" in autoflat.show(step)
+    ref = (w0, _TX.init(w0), tracker)
+    for i in range(4):
+        ref = jax.jit(_tracked)(*ref, xs[i])
+    tree_allclose(got, ref)
+
+    carry = (jnp.zeros(3), jnp.zeros(3))
+    xs3 = jnp.arange(12.0).reshape(4, 3) / 10
+    step = autoflat.step(_lstm_carry, num_steps=4)
+    got = step(jnp.eye(3), carry, xs3)
+    ref = (jnp.eye(3), carry)
+    for i in range(4):
+        ref = jax.jit(_lstm_carry)(*ref, xs3[i])
+    tree_allclose(got, ref)
+
+
+def _distill_step(student, opt_state, teacher, x, y, distill_weight=0.5):
+    t = x @ teacher
+
+    def full(w):
+        s = x @ w
+        distill_loss = distill_weight * jnp.mean((s - t) ** 2)
+        return jnp.mean((s - y) ** 2) + distill_loss, distill_loss
+
+    (loss, distill_loss), g = jax.value_and_grad(full, has_aux=True)(student)
+    u, opt_state = _TX.update(g, opt_state, student)
+    return optax.apply_updates(student, u), opt_state, loss, distill_loss
+
+
+def test_a_hyperparameter_sharing_a_word_with_a_returned_metric_stays_static():
+    """`distill_weight` (a default, its place shifted by the broadcast teacher onto the
+    returned `distill_loss`, computed from it and sharing a word): it was carried, so each
+    step weighted by the one before's loss and one loss came back for four steps. A name
+    only sharing a word says nothing; it stays static, as `jax.jit` loops give."""
+    s0, teacher = jnp.ones(3), jnp.full(3, 0.5)
+    xs = jax.random.normal(jax.random.key(0), (4, 8, 3))
+    ys = jax.random.normal(jax.random.key(1), (4, 8))
+    step = autoflat.step(_distill_step, num_steps=4)
+    s, o, losses, distill = step(s0, _TX.init(s0), teacher, xs, ys)
+    assert "# distill_weight: static" in autoflat.show(step)
+    ref, outs = (s0, _TX.init(s0)), []
+    for i in range(4):
+        *ref, loss, d = jax.jit(_distill_step)(ref[0], ref[1], teacher, xs[i], ys[i])
+        outs.append((loss, d))
+    tree_allclose((s, o, losses, distill), (*ref, *(jnp.stack(m) for m in zip(*outs, strict=True))))
+
+
+def _dqn_update(online, target, opt_state, x, y):
+    def td_loss(p):
+        bootstrap = y + 0.9 * (x @ target["w"] + target["b"])
+        return jnp.mean((x @ p["w"] + p["b"] - bootstrap) ** 2)
+
+    loss, grads = jax.value_and_grad(td_loss)(online)
+    grads = jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+    updates, opt_state = _TX.update(grads, opt_state, online)
+    return optax.apply_updates(online, updates), opt_state, loss, grads
+
+
+def test_gradients_rebound_leaf_by_leaf_are_still_gradients():
+    """A DQN step logging its gradients after clipping them (`grads = jax.tree.map(clip,
+    grads)`) beside a target network of their type: the rebound name was not taken for
+    gradients, so the target matched the logged gradients by value and was carried, each
+    step bootstrapping from the one before's gradients. Now the position holds gradients:
+    an error asks, and `broadcast="target"` equals a `jax.jit` loop."""
+    online = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    target = {"w": jnp.full(3, 0.5), "b": jnp.ones(())}
+    xs = jax.random.normal(jax.random.key(0), (4, 8, 3))
+    ys = jax.random.normal(jax.random.key(1), (4, 8))
+    with pytest.raises(autoflat.OptionError, match="it holds gradients") as e:
+        autoflat.step(_dqn_update, num_steps=4)(online, target, _TX.init(online), xs, ys)
+    assert 'broadcast="target"' in str(e.value)
+    step = autoflat.step(_dqn_update, num_steps=4, broadcast="target", lazy=False)
+    got = step(online, target, _TX.init(online), xs, ys)
+    ref, outs = (online, _TX.init(online)), []
+    for i in range(4):
+        *ref, loss, g = jax.jit(_dqn_update)(ref[0], target, ref[1], xs[i], ys[i])
+        outs.append((loss, g))
+    want = (*ref, *(jax.tree.map(lambda *m: jnp.stack(m), *o) for o in zip(*outs, strict=True)))
+    tree_allclose(got, want)
+
+
+def _mse(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+def _stage_metric(params, x, y, epoch):  # an int metric made from a static epoch
+    loss, g = jax.value_and_grad(_mse)(params, x, y)
+    params = jax.tree.map(lambda p, g: p - 0.1 / (1 + epoch) * g, params, g)
+    return params, loss, epoch // 10 + 1
+
+
+def _seen(params, step, x, y, n_devices=2):  # a counter, and examples seen from a static int
+    loss, g = jax.value_and_grad(_mse)(params, x, y)
+    params = jax.tree.map(lambda p, g: p - 0.1 / n_devices * g, params, g)
+    return params, step + 1, loss, x.shape[0] * n_devices
+
+
+def _entropy_gap(params, x, y, target_entropy):  # a number minus a metric: no sum
+    loss, g = jax.value_and_grad(_mse)(params, x, y)
+    ent = -jnp.mean(jax.nn.log_softmax(x @ params["w"]))
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+    return params, loss, target_entropy - ent
+
+
+def _momentum_sgd(params, momentum, x, y):  # gradients mapped with the momentum: its new value
+    loss, grads = jax.value_and_grad(_mse)(params, x, y)
+    grads = jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return params, grads, loss
+
+
+def _halved_input(carry, x, w):  # an RNN carry holding this step's input, transformed
+    h, prev = carry
+    h = jnp.tanh(h * w + x - prev)
+    return (h, x / 2.0), h.sum()
+
+
+@pytest.mark.parametrize(
+    ("fn", "state", "rest"),
+    [
+        (_stage_metric, {0: 0}, (3,)),
+        (_seen, {0: 0, 1: 1}, ()),
+        (_entropy_gap, {0: 0}, (-3.0,)),
+        (_entropy_gap, {0: 0}, (0.0,)),
+        (_momentum_sgd, {0: 0, 1: 1}, ()),
+        (_halved_input, {0: 0}, ()),
+    ],
+)
+def test_numbers_gradients_and_carries_read_as_jax_jit_loops_read_them(fn, state, rest):
+    """Steps a too-wide reading of rule 8, of gradients and of unlinked containers got
+    wrong (found by review; each runs under `jax.jit`): a static `epoch` carried as the
+    int metric made from it, `n_devices` as the examples seen, `target_entropy` as a sum
+    (or refused); gradients mapped with a momentum refused as gradients; an RNN carry
+    holding `x / 2` refused. Each equals a loop of `jax.jit` over four steps."""
+    params = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    xs = jax.random.normal(jax.random.key(0), (4, 8, 3))
+    ys = jax.random.normal(jax.random.key(1), (4, 8))
+    starts = {
+        _stage_metric: (params, xs, ys),
+        _seen: (params, 0, xs, ys),
+        _entropy_gap: (params, xs, ys),
+        _momentum_sgd: (params, jax.tree.map(jnp.zeros_like, params), xs, ys),
+        _halved_input: ((jnp.zeros((8, 3)), jnp.zeros((8, 3))), xs, 0.5),
+    }
+    args = [*starts[fn], *rest]
+    per_step = [i for i, a in enumerate(args) if a is xs or a is ys]
+    got = autoflat.step(fn, num_steps=4, lazy=False)(*args)
+    outs = []
+    for i in range(4):
+        out = jax.jit(fn)(*(a[i] if j in per_step else a for j, a in enumerate(args)))
+        for j, pos in state.items():
+            args[j] = out[pos]
+        outs.append([o for pos, o in enumerate(out) if pos not in state.values()])
+    want = [args[j] for j in state] + [jnp.stack(o) for o in zip(*outs, strict=True)]
+    tree_allclose(list(got), want)

@@ -154,6 +154,28 @@ def _items(
     return [(target, iterable)]
 
 
+def _mapped_over_itself(
+    assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]],
+    names: Collection[str],
+) -> list[str]:
+    """Per assignment `n = jax.tree.map(f, n)` rebinding one of `names` from its own tree
+    alone (gradients clipped or scaled leaf by leaf), that name. Mapped with other trees
+    (`jax.tree.map(lambda g, m: beta * m + g, grads, momentum)`) it is a new value of those."""
+    found = []
+    for targets, value in assignments:
+        if not (isinstance(value, cst.Call) and _dotted(value.func)[-2:] in _TREE_MAPS):
+            continue
+        args = [a for a in value.args if a.keyword is None and not a.star]
+        tree = args[1].value if len(args) == 2 else None
+        if not isinstance(tree, cst.Name) or tree.value not in names:
+            continue
+        found += [tree.value for t in targets if isinstance(t, cst.Name) and t.value == tree.value]
+    return found
+
+
+_TREE_MAPS = (["tree", "map"], ["tree_util", "tree_map"], ["jax", "tree_map"], ["tree_map"])
+
+
 def _names(target: cst.BaseExpression | None) -> list[str]:
     """The names a target binds (`a`, `(a, (b, *c))`)."""
     if isinstance(target, cst.Name):
@@ -261,6 +283,8 @@ class Visitor(cst.CSTVisitor):
                 for n in _names(_gradient_targets(t, *derivative)):
                     counts[n] = counts.get(n, 0) + 1
                     of[n] = of.get(n, frozenset()) | taken
+        for n in _mapped_over_itself(self.assignments, counts):  # `grads = tree.map(f, grads)`
+            counts[n] += 1
         return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}
 
     def _count(self, target: cst.BaseExpression | None) -> None:

@@ -24,7 +24,7 @@ import contextvars
 import functools
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -134,6 +134,18 @@ def _arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
     ]
 
 
+class Flow(NamedTuple):
+    """Where one return position's arrays come from (`flows`): the parameters they are
+    computed from, those whose own arrays are operands of the last operation making them,
+    and per leaf (in `tree_leaves` order) the parameters that leaf is computed from and the
+    parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None."""
+
+    sources: frozenset[str]
+    direct: frozenset[str]
+    leaves: tuple[frozenset[str], ...]
+    owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
+
+
 def flows(
     fn: Callable[..., Any],
     params: tuple[str, ...],
@@ -142,12 +154,12 @@ def flows(
     num_steps: int,
     split: Callable[[Any], list[Any]],
     additions: bool = False,
-) -> list[tuple[frozenset[str], frozenset[str]]]:
-    """For each return position (`split` of one step's value), the parameters its arrays
-    are computed from, and those whose own arrays are operands of the last operation making
-    them (`p + u`; with `additions`, only where that operation is an addition), read off the
-    step's jaxpr. The first is an over-approximation: every output of an operation counts as
-    computed from all of its inputs."""
+) -> list[Flow]:
+    """For each return position (`split` of one step's value), its `Flow`: the parameters
+    its arrays are computed from, and those whose own arrays are operands of the last
+    operation making them (`p + u`; with `additions`, only where that operation is an
+    addition), read off the step's jaxpr. Computed-from is an over-approximation: every
+    output of an operation counts as computed from all of its inputs."""
     last = ADDITIONS if additions else None
     attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split, last=last)
     return _traced_on_failure(attempt, values, roles)
@@ -161,14 +173,16 @@ def flows_traced(
     num_steps: int,
     split: Callable[[Any], list[Any]],
     numbers: frozenset[str],
-) -> list[tuple[frozenset[str], frozenset[str]]] | None:
+    last: frozenset[str] = frozenset(),
+) -> list[Flow] | None:
     """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
-    traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`)
-    counted as the last operation taking a parameter's own leaf (a product, `loss * scale`,
-    is not an accumulation); None if the step needs one of them concrete."""
+    traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`; or
+    the operations `last`) counted as the last operation taking a parameter's own leaf (a
+    product, `loss * scale`, is not an accumulation); None if the step needs one of them
+    concrete."""
     roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
     try:
-        return _flows(fn, params, values, roles, num_steps, split, numbers, ADDITIONS)
+        return _flows(fn, params, values, roles, num_steps, split, numbers, last or ADDITIONS)
     except Exception:
         return None
 
@@ -176,6 +190,7 @@ def flows_traced(
 # The operations that accumulate, their first operand the running value (`flows_traced`,
 # `flows(additions=True)`).
 ADDITIONS = frozenset({"add", "sub", "add_any"})
+SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
 
 
 def _flows(
@@ -187,19 +202,19 @@ def _flows(
     split: Callable[[Any], list[Any]],
     scalars: frozenset[str],
     last: frozenset[str] | None = None,
-) -> list[tuple[frozenset[str], frozenset[str]]]:
+) -> list[Flow]:
     """`flows` once, with the Python numbers of the parameters `scalars` traced (and, given
     `last`, only operations of those names counted as the last one taking an operand)."""
     parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
-    counts: list[int] = []
+    kinds: list[list[bool]] = []  # per position, per leaf: traced (else a constant)
 
     def one_step(arrays: list[list[Any]]) -> Any:
         args = _arguments(parts, arrays)
         outs = []
         for item in split(call(args)):
-            traced = [x for x in jax.tree_util.tree_leaves(item) if _jax.is_tracer(x)]
-            counts.append(len(traced))
-            outs += traced
+            leaves = jax.tree_util.tree_leaves(item)
+            kinds.append([_jax.is_tracer(x) for x in leaves])
+            outs += [x for x in leaves if _jax.is_tracer(x)]
         return outs
 
     inputs = [[] if rebuild is None else a for rebuild, a in parts]
@@ -208,13 +223,16 @@ def _flows(
     sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners), last)
     result = []
     at = 0
-    for n in counts:
-        span = range(at, at + n)
-        at += n
+    for traced in kinds:
+        span = range(at, at + sum(traced))
+        at += len(span)
+        at_leaf = [next(each) if t else None for each in [iter(span)] for t in traced]
         result.append(
-            (
+            Flow(
                 _NONE.union(*(sources[i] for i in span)),
                 _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
+                tuple(_NONE if i is None else sources[i] for i in at_leaf),
+                tuple(None if i is None else roots[i] for i in at_leaf),
             )
         )
     return result

@@ -39,6 +39,7 @@ from .._errors import (
     STATE_AT_NESTED,
     STATE_NESTED,
     STATE_TYPE_CHANGED,
+    STATE_UNLINKED,
     WRITTEN_PER_STEP,
     OptionError,
     ShapeError,
@@ -46,8 +47,8 @@ from .._errors import (
 )
 from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
-from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
-from .matching import is_key
+from .abstract import Flow, abstract_leaves, eval_one_step, positions_of, same_value
+from .matching import is_key, names_gradients
 from .options import Options, Role
 
 
@@ -354,6 +355,58 @@ def refuse_changed_type(
                 OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
                 detail=detail, fix=fix, num_steps=num_steps,
             )  # fmt: skip
+
+
+def refuse_unlinked(
+    analysis: Analysis,
+    values: dict[str, Any],
+    by_value: dict[str, int],
+    outputs: list[Any],
+    flow: Callable[[], list[Flow]],
+    named: Callable[[str, int], bool],
+    evidence: Callable[[str, int], bool],
+    gradients: set[int],
+    num_steps: int,
+    per_step: frozenset[str],
+) -> None:
+    """A container matched to a return position by its abstract value alone (rule 3), where
+    some leaf there is not computed from it (nor another argument's leaf as it came, nor
+    made from per-step arguments alone: the input in an RNN carry `(h, x)`, `(h, x / 2)`),
+    or the position returns gradients in every `return` (`gradients`: computed from
+    whatever the loss reads; unless the parameter's name says gradients, `prev_grads`),
+    and nothing else says the position is its new value (`named`: a returned name sharing
+    a word with it, `g` for `prev_g`; for other than gradients, `evidence`: named parts
+    computed from it, an addition taking its own array): the type is all that links them
+    (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
+    returned gradients). Carried, each step would start from what is maybe a metric;
+    broadcast, from a value maybe stale. With num_steps > 1, refused with both fixes. (A
+    bare array matches only at its place, with its own evidence: `matching.bare_at_place`.)"""
+    for p, pos in by_value.items():
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p])):
+            continue
+        if named(p, pos):
+            continue
+        if pos in gradients:
+            if names_gradients(p):  # (`prev_grads` given back the new gradients)
+                continue
+            why = "it holds gradients, computed from whatever the loss reads"
+        else:
+            here = flow()[pos]
+            # (a leaf given back as another argument's leaf came, or made from this step's
+            # inputs alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
+            unlinked = [
+                i
+                for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
+                if p not in sources and owner is None and not (sources and sources <= per_step)
+            ]
+            if not unlinked or evidence(p, pos):
+                continue
+            path = jax.tree_util.tree_flatten_with_path(outputs[pos])[0][unlinked[0]][0]
+            why = f"its leaf at `{jax.tree_util.keystr(path)}` is not computed from `{p}`"
+        raise error(
+            OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
+            num_steps=num_steps,
+        )  # fmt: skip
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:

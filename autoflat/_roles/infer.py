@@ -26,7 +26,8 @@ of the table (`rules`) read from the first call, and applies the table:
   f(...)` giving a tuple or dict has its items as the positions where data flow says state
   is among them.
 - **Python numbers at `num_steps > 1`** are static, unless given back changed at their place
-  (a counter `step + 1`): then state, carried as an array (rule 8).
+  (a counter `step + 1`) or summed into an open position (`total + loss`): then state,
+  carried as an array (rule 8).
 - **Python numbers at `num_steps=1`** are traced, as `jax.jit` traces them; one the step needs
   concrete (a layer size) fails the abstract evaluation and is made static instead
   (`scalars`, rule 8).
@@ -63,7 +64,16 @@ from .._errors import (
 from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import SCALARS, eval_one_step, flows, flows_traced, positions_of, same_value
+from .abstract import (
+    SCALARS,
+    SUMS,
+    Flow,
+    eval_one_step,
+    flows,
+    flows_traced,
+    positions_of,
+    same_value,
+)
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
@@ -75,6 +85,7 @@ from .hazards import (
     refuse_changed_type,
     refuse_nested_state,
     refuse_passed_through,
+    refuse_unlinked,
 )
 from .options import Options, Role
 from .roles import Roles, assign_roles
@@ -168,6 +179,7 @@ class _Inference:
         self.keys: tuple[Any, ...] = ()  # a returned dict's, when its items are the positions
         self.state_at = dict(options.state_at)
         self.matched: dict[str, tuple[int, str]] = {}  # rule 3
+        self.by_value: dict[str, int] = {}  # of those, matched by abstract value alone
         self.counters: dict[str, int] = {}  # rule 8
         self.concrete: dict[str, str] = {}  # rule 8
         # State declared, not returned by name nor written into: matched by value, or refused.
@@ -175,7 +187,9 @@ class _Inference:
         self.open_positions: list[int] = []
         self.outputs: list[Any] | None = None
         self.pending: list[str] = []
-        self._added: list[tuple[frozenset[str], frozenset[str]]] | None = None  # additions
+        self._added: list[Flow] | None = None  # additions
+        # `_flow_of`'s results (results only: a closure here would make a cycle holding `values`)
+        self._flows: dict[Return, list[Flow]] = {}
 
     def given_back(self, counters: bool = True) -> dict[str, int]:
         """Every parameter a return position gives back, with its position (with or without
@@ -373,13 +387,14 @@ class _Inference:
             items = [each.keys.index(k) for k in out] if each.keys else list(range(len(contents)))
             found, by_value = self._settle(each, contents, items, numbers)
             direct = self._flow_of(each)() if by_value else []
-            if any(p in direct[pos][1] for p, (pos, _) in by_value.items()):
+            if any(p in direct[pos].direct for p, (pos, _) in by_value.items()):
                 counters, self.unpacked, self.first = found, len(contents), each
                 self.keys = each.keys
                 self.open_positions, outputs = items, contents
             else:
                 by_value = {}
         self.matched.update(by_value)
+        self.by_value = {p: pos for p, (pos, _) in by_value.items() if p not in self.declared}
         self.counters = counters
         self.outputs = outputs
 
@@ -402,16 +417,20 @@ class _Inference:
     def _flow_of(self, returned: Return) -> Callable[[], Any]:
         """Per return position of `returned`, the parameters it is computed from and those
         the last operation making it takes (`abstract.flows`), read once when first asked."""
-        return functools.cache(
-            lambda: flows(
-                self.fn,
-                self.params,
-                self.values,
-                self.for_eval,
-                self.num_steps,
-                lambda o: positions_of(returned, o),
-            )
-        )
+
+        def read() -> list[Flow]:
+            if returned not in self._flows:
+                self._flows[returned] = flows(
+                    self.fn,
+                    self.params,
+                    self.values,
+                    self.for_eval,
+                    self.num_steps,
+                    lambda o: positions_of(returned, o),
+                )
+            return self._flows[returned]
+
+        return read
 
     def _settle(
         self, returned: Return, outs: list[Any], positions: list[int], numbers: list[str]
@@ -420,7 +439,7 @@ class _Inference:
         then the candidates by value (`matching.match`)."""
         params, values, carried = self.params, self.values, self._carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
-        found = _matching.counters(numbers, values, positions, outs, places)
+        found = _matching.counters(numbers, values, positions, outs, places, returned.names)
         found.update(self._accumulated(returned, outs, positions, numbers, places, found))
         left = [pos for pos in positions if pos not in found.values()]
         places = _matching.places([p for p in params if p in carried or p in found], returned)
@@ -435,7 +454,7 @@ class _Inference:
         instance = self.options.instance
         if (
             instance in by_value
-            and instance not in self._flow_of(returned)()[by_value[instance][0]][1]
+            and instance not in self._flow_of(returned)()[by_value[instance][0]].direct
         ):
             # A method's instance only where some leaf is its own, or computed by an
             # operation taking its own arrays (`self.replace(w=self.w - g)`), not for
@@ -452,34 +471,65 @@ class _Inference:
         places: dict[str, int],
         found: dict[str, int],
     ) -> dict[str, int]:
-        """Python numbers a return position at their place gives back as a scalar array
-        made by an addition whose first operand is the number (`total + loss`, from
-        `total=0.0`): accumulators, carried as arrays as a `lax.scan` carries them. Read off
-        the step traced with those numbers traced, as `jax.jit` traces them; a loss beside a
-        static number (`num_classes`) is not computed from it, a product (`loss * scale`)
-        is not a sum, nor is a number added to a loss (`loss + eps`), and one the step needs
-        concrete stays static. A sum resumed from a number that is not 0 may be a constant
-        the step adds to (`eps + loss`): an error names both readings."""
-        open_ = {
-            p: places[p]
-            for p in numbers
-            if p not in found and places.get(p, -1) in positions and _scalar_array(outs[places[p]])
-        }
-        if not open_:
+        """Python numbers a return position (at their place, or else the one open scalar position
+        that does) gives back as a scalar array made by an addition whose first operand is the
+        number (`total + loss`, from `total=0.0`): accumulators, carried as arrays as a
+        `lax.scan` carries them. Read off the step traced with those numbers traced, as
+        `jax.jit` traces them. Also one computed from the number under its name or it with a
+        word for new (`new_ema`). A loss beside a static number (`num_classes`) is not computed
+        from it, a product (`loss * scale`) is not a sum, nor is a number added to a loss
+        (`loss + eps`), and one the step needs concrete stays static. A sum resumed from a
+        number that is not 0 may be a constant the step adds to (`eps + loss`): an error names
+        both readings."""
+        scalar = [
+            pos for pos in positions if pos not in found.values() and _scalar_array(outs[pos])
+        ]
+        # Every open scalar position: its place first, then the others (a broadcast batch
+        # before it among the parameters shifted it; `return w, loss, total + loss`).
+        open_ = {p: scalar for p in numbers if p not in found}
+        if not scalar or not open_:
             return {}
-        direct = flows_traced(
-            self.fn, self.params, self.values, self.for_eval, self.num_steps,
+        trace = functools.partial(
+            flows_traced, self.fn, self.params, self.values, self.for_eval, self.num_steps,
             lambda o: positions_of(returned, o), frozenset(open_),
         )  # fmt: skip
+        direct = trace()
         if direct is None:
             return {}
-        added = {p: pos for p, pos in open_.items() if p in direct[pos][1]}
+        sums = functools.cache(lambda: trace(SUMS) or direct)
+        added: dict[str, int] = {}
+        named: set[str] = set()
+        for p, spots in open_.items():
+            # Its own name, or it with a word for new (`new_ema = 0.9 * ema + 0.1 * loss`),
+            # computed from it is its new value too, from any start (a shared word alone is
+            # not: `loss` beside `loss_weight`).
+            by_name = [
+                pos
+                for pos in spots
+                if p in direct[pos].sources and _matching.renamed(p, pos, returned.names)
+            ]
+            place = places.get(p, -1)
+            # Away from its place, only a sum (`target - entropy` is a metric).
+            at = by_name or (
+                [place]
+                if place in spots and p in direct[place].direct
+                else [pos for pos in spots if pos != place and p in sums()[pos].direct]
+            )
+            if len(at) == 1 and at[0] not in added.values():
+                added[p] = at[0]
+                named.update([p] if by_name else [])
         for p, pos in added.items():
-            if self.values[p] != 0:  # (a sum starts at 0: `eps + loss` may be a constant)
+            # (a sum starts at 0: `eps + loss` may be a constant)
+            if p not in named and self.values[p] != 0:
+                where = (
+                    f"sits at the place `{p}` has among the parameters that could be state"
+                    if pos == places.get(p)
+                    else "is the one open position so made"
+                )
                 raise error(
                     OptionError, NUMBER_ADDED, self.analysis, param=p, pos=pos,
                     type=type(self.values[p]).__name__, value=self.values[p],
-                    num_steps=self.num_steps,
+                    num_steps=self.num_steps, placed=where,
                 )  # fmt: skip
         return added
 
@@ -493,6 +543,15 @@ class _Inference:
             for pos, at in r.gradients:
                 gradients.setdefault(pos, set()).update(at)
         return gradients
+
+    def _only_gradients(self) -> set[int]:
+        """The return positions where every `return` gives gradients (`_gradients`); none
+        where the positions are the items of one returned value."""
+        if self.unpacked:
+            return set()
+        returns = [r for r in self.analysis.returns if r.kind != "none"]
+        held = [{pos for pos, _ in r.gradients} for r in returns]
+        return set.intersection(*held) if held else set()
 
     def check_matches(self) -> None:
         """Refuse what matching leaves unsettled (`hazards`): a `state=` position holding its
@@ -510,6 +569,12 @@ class _Inference:
             refuse_changed_type(
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps, self._new_value_of,
+            )  # fmt: skip
+            refuse_unlinked(
+                analysis, values, self.by_value, self.outputs, self._flow_of(first),
+                lambda p, pos: _matching.named_after(p, pos, first.names),
+                self._new_value_of, self._only_gradients(), num_steps,
+                frozenset(p for p, role in self.for_eval.items() if role == "scanned"),
             )  # fmt: skip
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]
@@ -593,9 +658,9 @@ class _Inference:
                 self.fn, self.params, self.values, self.for_eval, self.num_steps,
                 lambda o: positions_of(first, o), additions=True,
             )  # fmt: skip
-        if p in self._added[pos][1]:
+        if p in self._added[pos].direct:
             return True
-        return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos][0]
+        return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos].sources
 
     def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:
         """A bare array taken per-step by its leading axis (rule 10), whose place among the

@@ -30,7 +30,7 @@ from .._errors import (
     error,
 )
 from .._transport.structure import is_array
-from .abstract import is_copy, same_value
+from .abstract import Flow, is_copy, same_value
 
 
 def match(
@@ -43,7 +43,7 @@ def match(
     declared: set[str],
     place: dict[str, int],
     alike: Callable[..., dict[str, tuple[int, str]] | None],
-    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    flow: Callable[[], list[Flow]],
     names: tuple[str | None, ...],
     gradients: dict[int, set[str]],
 ) -> dict[str, tuple[int, str]]:
@@ -147,7 +147,7 @@ def bare_at_place(
     analysis: Analysis,
     p: str,
     pos: int,
-    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    flow: Callable[[], list[Flow]],
     names: tuple[str | None, ...],
     place: dict[str, int],
 ) -> list[int]:
@@ -163,7 +163,7 @@ def bare_at_place(
     a loss from a previous loss overwritten every step: the user says which."""
     if linked(p, pos, flow, names):
         return [pos]
-    sources = flow()[pos][0]
+    sources = flow()[pos].sources
     name = names[pos] if pos < len(names) else None
     returned = f"`{name}`" if name is not None else "an expression"
     link = (
@@ -188,7 +188,7 @@ def bare_at_place(
 def _reordered(
     p: str,
     pos: int,
-    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    flow: Callable[[], list[Flow]],
     names: tuple[str | None, ...],
     place: dict[str, int],
 ) -> str:
@@ -199,8 +199,8 @@ def _reordered(
     flows = flow()
 
     def new_value(q: str, j: int) -> bool:
-        sources, direct = flows[j]
-        return q in direct or (q in sources and named_after(q, j, names))
+        here = flows[j]
+        return q in here.direct or (q in here.sources and named_after(q, j, names))
 
     made = [j for j in range(len(flows)) if j != pos and new_value(p, j)]
     if len(made) != 1:
@@ -222,17 +222,17 @@ def _reordered(
 def linked(
     p: str,
     pos: int,
-    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    flow: Callable[[], list[Flow]],
     names: tuple[str | None, ...],
 ) -> bool:
     """Whether more than its place says return position `pos` may be the new value of the
     bare array `p`: the last operation making it takes `p`'s array (`w - lr * g`), or its
     name shares a word with `p` (`new_v`, `v2`), or it is an expression computed from `p`
     (`0.9 * v + g`)."""
-    sources, direct = flow()[pos]
-    if p in direct or named_after(p, pos, names):
+    here = flow()[pos]
+    if p in here.direct or named_after(p, pos, names):
         return True
-    return (names[pos] if pos < len(names) else None) is None and p in sources
+    return (names[pos] if pos < len(names) else None) is None and p in here.sources
 
 
 def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
@@ -240,6 +240,25 @@ def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     `loss` for `prev_loss`): the step's own words for `p`'s new value."""
     name = names[pos] if pos < len(names) else None
     return name is not None and bool(_words(name) & _words(p))
+
+
+def renamed(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether return position `pos` is `p`'s own name, or it with a word for new (`new_ema`,
+    `ema_next`, `ema2` for `ema`): stricter than `named_after`, where a shared word alone
+    (`loss` for `loss_weight`, `distill_loss` for `distill_weight`) says nothing."""
+    name = names[pos] if pos < len(names) else None
+    if name is None:
+        return False
+    words = [w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW]
+    return words == [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+
+
+_NEW = frozenset({"new", "next", "updated", "upd"})
+
+
+def names_gradients(p: str) -> bool:
+    """Whether the parameter's name says it holds gradients (`prev_grads`, `last_g`)."""
+    return bool(_words(p) & {"g", "grad", "grads", "gradient", "gradients"})
 
 
 def _by_name(analysis: Analysis) -> str:
@@ -261,21 +280,33 @@ def counters(
     positions: list[int],
     outputs: list[Any],
     places: dict[str, int],
+    names: tuple[str | None, ...],
 ) -> dict[str, int]:
     """With num_steps > 1, Python numbers the step gives back changed at their place among
     the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
     counter or a decayed rate, carried as an array. Left static (as other Python numbers),
     every step of a call saw the first value, silently. Only a Python number of the same
     type at that place counts: an array there (a loss) says nothing about a static
-    `num_classes`, nor a constant `0` about a float rate."""
-    found = {}
-    for p in numbers:
-        pos = places.get(p, -1)
-        if pos not in positions:
-            continue
+    `num_classes`, nor a constant `0` about a float rate. Where a number's place holds no
+    such value (a broadcast teacher before it among the parameters shifted it), the one
+    open position giving back its int plus one (`step + 1`) or a changed number under its
+    name (`step = step + 1; return params, step`): a metric made from a static number
+    (`epoch // 10 + 1`, `x.shape[0] * n_devices`) is neither."""
+
+    def changed(p: str, pos: int) -> bool:
         out = outputs[pos]
-        if type(out) is type(values[p]) and out != values[p]:
-            found[p] = pos
+        return type(out) is type(values[p]) and out != values[p]
+
+    def counted(p: str, pos: int) -> bool:
+        plus_one = type(values[p]) is int and outputs[pos] == values[p] + 1
+        return changed(p, pos) and (plus_one or renamed(p, pos, names))
+
+    found = {p: places[p] for p in numbers if places.get(p, -1) in positions}
+    found = {p: pos for p, pos in found.items() if changed(p, pos)}
+    for p in [p for p in numbers if p not in found]:
+        spots = [pos for pos in positions if pos not in found.values() and counted(p, pos)]
+        if len(spots) == 1:
+            found[p] = spots[0]
     return found
 
 
@@ -285,7 +316,7 @@ def settle_alike(
     fits: dict[str, list[int]],
     *,
     names: tuple[str | None, ...],
-    flow: Callable[[], list[tuple[frozenset[str], frozenset[str]]]],
+    flow: Callable[[], list[Flow]],
 ) -> dict[str, tuple[int, str]] | None:
     """Parameters alike (`ema_params, params`; a GAN's two models of one shape; an online and
     a target network) over positions alike: of the ways to give the positions to as many

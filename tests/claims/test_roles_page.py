@@ -901,7 +901,7 @@ def test_rule_8_python_scalars_and_strings_are_static():
 )
 @claim(
     PAGE,
-    "unless the return position at its place among the parameters that could be state gives back a changed Python number, `return w, step + 1, lr`,",
+    "unless the return position at its place among the parameters that could be state gives back a changed Python number, `return w, step + 1, lr` (where a broadcast argument before it shifts its place, the one open position giving back its int plus one or a changed number under its name),",
 )
 @claim(
     PAGE, "`state (a Python int that return position 1 gives back changed: carried as an array)`"
@@ -922,6 +922,19 @@ def test_rule_8_a_python_counter_given_back_changed_is_carried():
     w, s, lr2 = step(w, s, xs[K:])  # every step of a call sees its own count
     tree_allclose((w, jnp.concatenate([lr1, lr2])), (rw, rl), rtol=1e-6)
     assert int(s) == int(rs) == 8
+
+    def distill(student, teacher, x, step=0):  # the teacher shifts `step`'s place
+        lr = 0.1 / (1.0 + step)
+        return student - lr * jnp.mean(x) * (student - teacher), step + 1
+
+    teacher = jnp.full(2, 0.5)
+    step = autoflat.step(distill, num_steps=K)
+    got = step(jnp.ones(2), teacher, xs[:K], step=0)
+    assert role_line(step, "step").startswith("state (a Python int")
+    want = (jnp.ones(2), 0)
+    for x in xs[:K]:
+        want = jax.jit(distill)(want[0], teacher, x, step=want[1])
+    tree_allclose(got, want, rtol=1e-6)
 
 
 @claim(PAGE, "with `num_steps=1` a Python number the step needs concrete (a layer size)")
@@ -1930,9 +1943,15 @@ def _nnx_grad(params, x):
     return grads, jnp.sum(x)
 
 
+def _rebound(params, x):
+    grads = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(params)
+    grads = jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads)
+    return grads
+
+
 @claim(
     PAGE,
-    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`), or such a call returned as it is, does not match the parameters passed to that call, however alike",
+    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`; also rebound to itself mapped leaf by leaf alone, `grads = jax.tree.map(clip, grads)`, where mapped with another tree, `jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)`, it may be that tree's new value), or such a call returned as it is, does not match the parameters passed to that call, however alike",
 )
 @claim(
     PAGE,
@@ -1940,7 +1959,15 @@ def _nnx_grad(params, x):
 )
 @pytest.mark.parametrize(
     "fn",
-    [_by_name, _through_grad_fn, _aux_by_position, _returned_as_called, _equinox_grad, _nnx_grad],
+    [
+        _by_name,
+        _through_grad_fn,
+        _aux_by_position,
+        _returned_as_called,
+        _equinox_grad,
+        _nnx_grad,
+        _rebound,
+    ],
 )
 def test_gradients_are_not_the_new_value_of_their_parameters(fn):
     params = {"w": jnp.ones((3, 2)), "b": jnp.full((2,), 0.5)}
@@ -3481,7 +3508,7 @@ def test_by_name_or_by_position_asks():
 )
 @claim(
     PAGE,
-    "or a scalar array made by an addition whose first operand is the number, `return w, total + loss` from `total=0.0`: then state, carried as an array, as a `lax.scan` carries it; a loss beside a number it is not computed from, a product such as `loss * scale`, a number added to a loss, `loss + eps` or `loss - f_star`, or a number the step needs concrete leaves the number static; a sum resumed from a number that is not 0 at the first call is an error naming `state=` and `static_argnames=`",
+    "or a scalar array made by an addition whose first operand is the number, `return w, total + loss` from `total=0.0` (at its place, or else at the one open position made by a sum, `+`: `return w, loss, total + loss`, or a broadcast full batch before it shifting its place), or a value computed from the number returned under its name or its name with `new`/`next` (`new_ema = 0.9 * ema + 0.1 * loss; return w, new_ema`, from any start; a name only sharing a word, `loss` beside `loss_weight`, says nothing): then state, carried as an array, as a `lax.scan` carries it; a loss beside a number it is not computed from, a product such as `loss * scale`, a number added to a loss, `loss + eps` or `loss - f_star`, or a number the step needs concrete leaves the number static; a sum resumed from a number that is not 0 at the first call is an error naming `state=` and `static_argnames=`",
 )
 @claim(
     PAGE,
@@ -3494,6 +3521,10 @@ def test_by_name_or_by_position_asks():
 @claim(
     PAGE,
     "| `def update(w, eps, x): ... return w, loss + eps` | `eps` static: the loss is added to, not `eps` |",
+)
+@claim(
+    PAGE,
+    "| `def update(w, full_batch, total, x): ... return w, total + loss` called with `total=0.0`, `full_batch` broadcast | `total` state: found by its addition, where the full batch shifted its place |",
 )
 def test_a_python_number_summed_at_its_place_is_state():
     def update(w, total, x):
@@ -3510,6 +3541,56 @@ def test_a_python_number_summed_at_its_place_is_state():
     for x in xs:
         want = jax.jit(update)(*want, x)
     np.testing.assert_allclose(total, want[1], rtol=1e-6)
+
+    def shifted(w, full_batch, total, x):
+        loss = jnp.sum((w * x - full_batch.mean()) ** 2)
+        return w - 0.01 * x, total + loss
+
+    full = data(10, 3)
+    step = autoflat.step(shifted, num_steps=4)
+    w, total = step(jnp.zeros(3), full, 0.0, xs)
+    assert role_line(step, "total").startswith("state (a Python float")
+    want = (jnp.zeros(3), 0.0)
+    for x in xs:
+        want = jax.jit(shifted)(want[0], full, want[1], x)
+    np.testing.assert_allclose(total, want[1], rtol=1e-6)
+
+    def logged(w, total, x):  # the loss at its place, the sum after it
+        loss = jnp.sum((w * x - 1.0) ** 2)
+        return w - 0.01 * x, loss, total + loss
+
+    step = autoflat.step(logged, num_steps=4)
+    w, losses, total = step(jnp.zeros(3), 0.0, xs)
+    assert role_line(step, "total").startswith("state (a Python float")
+    want = (jnp.zeros(3), 0.0)
+    for x in xs:
+        *want, total_want = jax.jit(logged)(*want, x)
+        want = (want[0], total_want)
+    np.testing.assert_allclose(total, want[1], rtol=1e-6)
+
+    def weighted(w, x, loss_weight=0.5):  # `loss` shares a word only: static
+        loss, g = jax.value_and_grad(lambda w: loss_weight * jnp.sum((x * w - 1.0) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    step = autoflat.step(weighted, num_steps=4)
+    w, losses = step(jnp.ones(3), xs)
+    assert role_line(step, "loss_weight").startswith("static")
+    want = jit_loop(weighted, (jnp.ones(3),), (xs,), 4)
+    np.testing.assert_allclose(w, want[0][0], rtol=1e-6)
+    np.testing.assert_allclose(losses, want[1][0], rtol=1e-6)
+
+    def averaged(w, ema, x):
+        loss = jnp.sum((w * x - 1.0) ** 2)
+        new_ema = 0.9 * ema + 0.1 * loss
+        return w - 0.01 * x, new_ema
+
+    step = autoflat.step(averaged, num_steps=4)
+    w, ema = step(jnp.zeros(3), 1.0, xs)
+    assert role_line(step, "ema").startswith("state (a Python float")
+    want = (jnp.zeros(3), 1.0)
+    for x in xs:
+        want = jax.jit(averaged)(*want, x)
+    np.testing.assert_allclose(ema, want[1], rtol=1e-6)
     step = autoflat.step(with_rate, num_steps=4)
     _, losses = step(jnp.zeros(3), 0.1, xs)
     assert losses.shape == (4,)
@@ -3534,3 +3615,86 @@ def test_a_python_number_summed_at_its_place_is_state():
     with pytest.raises(autoflat.OptionError, match='state=\\{"total": 1\\}') as e:
         autoflat.step(update, num_steps=4)(jnp.zeros(3), 3.0, xs)
     assert 'static_argnames="total"' in str(e.value)
+
+
+@claim(
+    PAGE,
+    'With `num_steps > 1`, a container matched by its type alone, where some leaf of the position is neither computed from it nor another argument given back as it came or made from per-step arguments alone (the input in an RNN carry `(h, x)` or `(h, x / 2)`) and nothing else says the position is its new value (one of the above, or a returned name sharing a word with it: `g` for `prev_g`; gradients given back for a parameter named for them, `prev_grads`, are its new value), such as a tuple of clip bounds `(lo, hi)` beside a metrics tuple `(loss, jnp.mean(w))`, or a teacher\'s parameters beside the gradients returned, is an `autoflat.OptionError` naming that leaf: carried, every step would start from what may be a metric; `state={"bounds": 2}` or `broadcast="bounds"` says which it is.',
+)
+@claim(
+    PAGE,
+    'an `OptionError`: the metrics tuple has the bounds\' types, but its loss is not computed from them; `broadcast="bounds"` or `state={"bounds": 2}`',
+)
+@claim(
+    PAGE,
+    "matched by value: state (every leaf computed from it; an addition taking its own leaf)",
+)
+def test_a_container_linked_to_a_position_by_its_type_alone_is_asked_about():
+    def update(w, x, bounds):
+        lo, hi = bounds
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((x * w) ** 2))(w)
+        w = w - 0.1 * jnp.clip(g, lo, hi)
+        return w, (loss, jnp.mean(w))
+
+    def rnn(w, carry, x):
+        h, c = carry
+        c = 0.5 * c + jnp.tanh(x * w + h)
+        return w * 0.99, (jnp.tanh(c), c)
+
+    def with_input(w, carry, x):  # the carry holds this step's input as it came
+        h, prev_x = carry
+        h = jnp.tanh(prev_x * w + h)
+        return w * 0.99, (h, x)
+
+    def tracked(w, tracker, x):
+        count, _ = tracker
+        loss = jnp.sum((x * w) ** 2)
+        return w * 0.99, (count + 1.0, loss)
+
+    xs = data(4, 3)
+    bounds = (jnp.float32(-1.0), jnp.float32(1.0))
+    with pytest.raises(autoflat.OptionError, match=r"its leaf at `\[0\]` is not computed from"):
+        autoflat.step(update, num_steps=4)(jnp.ones(3), xs, bounds)
+    step = autoflat.step(update, num_steps=4, broadcast="bounds")
+    (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), 4, 4, rest=(bounds,))
+    (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), 4, rest=(bounds,))
+    np.testing.assert_allclose(w, want_w, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), outs, want)
+
+    def distill(params, x, teacher):
+        def loss(p):
+            return jnp.sum((x @ p["w"] - x @ teacher["w"]) ** 2)
+
+        grads = jax.grad(loss)(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return params, grads
+
+    teacher = {"w": jnp.ones((3, 2))}
+    with pytest.raises(
+        autoflat.OptionError, match="it holds gradients, computed from whatever the loss reads"
+    ):
+        autoflat.step(distill, num_steps=4)({"w": jnp.zeros((3, 2))}, xs, teacher)
+
+    def momentum(params, prev_grads, x):  # gradients given back for `prev_grads`
+        g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        params = jax.tree.map(lambda p, a, b: p - 0.1 * (a + 0.5 * b), params, g, prev_grads)
+        return params, g
+
+    start = ({"w": jnp.zeros((3, 2))}, {"w": jnp.ones((3, 2))})
+    got = autoflat.unwrap(autoflat.step(momentum, num_steps=4)(*start, xs))
+    want = jit_loop(momentum, start, (xs,), 4)[0]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, want)
+    scalars = (jnp.float32(0.0), jnp.float32(0.0))
+    zeros = (jnp.zeros(3), jnp.zeros(3))
+    for fn, start in ((rnn, zeros), (with_input, zeros), (tracked, scalars)):
+        step = autoflat.step(fn, num_steps=4)
+        got = step(jnp.ones(3), start, xs)
+        assert role_line(step, "tracker" if fn is tracked else "carry").startswith(
+            "state (matched by value"
+        )
+        state = (jnp.ones(3), start)
+        for i in range(4):
+            state = jax.jit(fn)(*state, xs[i])
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), autoflat.unwrap(got), state
+        )
