@@ -472,15 +472,15 @@ class _Inference:
         found: dict[str, int],
     ) -> dict[str, int]:
         """Python numbers a return position (at their place, or else the one open scalar position
-        that does) gives back as a scalar array made by an addition whose first operand is the
-        number (`total + loss`, from `total=0.0`): accumulators, carried as arrays as a
+        made by a sum, `+`) gives back as a scalar array made by an addition whose first operand
+        is the number (`total + loss`, from `total=0.0`): accumulators, carried as arrays as a
         `lax.scan` carries them. Read off the step traced with those numbers traced, as
         `jax.jit` traces them. Also one computed from the number under its name or it with a
         word for new (`new_ema`). A loss beside a static number (`num_classes`) is not computed
         from it, a product (`loss * scale`) is not a sum, nor is a number added to a loss
-        (`loss + eps`), and one the step needs concrete stays static. A sum resumed from a
-        number that is not 0 may be a constant the step adds to (`eps + loss`): an error names
-        both readings."""
+        (`loss + eps`), and one the step needs concrete stays static. A sum resumed from a number
+        that is not 0 may be a constant the step adds to (`eps + loss`): an error names both
+        readings."""
         scalar = [
             pos for pos in positions if pos not in found.values() and _scalar_array(outs[pos])
         ]
@@ -496,7 +496,7 @@ class _Inference:
         direct = trace()
         if direct is None:
             return {}
-        sums = functools.cache(lambda: trace(SUMS) or direct)
+        sums = functools.cache(lambda: trace(SUMS))
         added: dict[str, int] = {}
         named: set[str] = set()
         for p, spots in open_.items():
@@ -513,7 +513,7 @@ class _Inference:
             at = by_name or (
                 [place]
                 if place in spots and p in direct[place].direct
-                else [pos for pos in spots if pos != place and p in sums()[pos].direct]
+                else [pos for pos in spots if pos != place and p in _direct(sums(), pos)]
             )
             if len(at) == 1 and at[0] not in added.values():
                 added[p] = at[0]
@@ -728,6 +728,12 @@ class _Inference:
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
+
+
+def _direct(flows: list[Flow] | None, pos: int) -> frozenset[str]:
+    """The parameters whose own leaves the last operation making return position `pos`
+    takes, or none where the step could not be traced so (`flows_traced` gave None)."""
+    return frozenset() if flows is None else flows[pos].direct
 
 
 def _scalar_array(out: Any) -> bool:

@@ -303,10 +303,11 @@ def counters(
 
     found = {p: places[p] for p in numbers if places.get(p, -1) in positions}
     found = {p: pos for p, pos in found.items() if changed(p, pos)}
-    for p in [p for p in numbers if p not in found]:
-        spots = [pos for pos in positions if pos not in found.values() and counted(p, pos)]
-        if len(spots) == 1:
-            found[p] = spots[0]
+    open_ = [pos for pos in positions if pos not in found.values()]
+    spots = {p: [pos for pos in open_ if counted(p, pos)] for p in numbers if p not in found}
+    for p, at in spots.items():  # (one position, claimed by no other number)
+        if len(at) == 1 and sum(at[0] in other for other in spots.values()) == 1:
+            found[p] = at[0]
     return found
 
 
