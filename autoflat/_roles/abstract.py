@@ -146,6 +146,12 @@ class Flow(NamedTuple):
     owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
 
 
+# The operations that accumulate, their first operand the running value (`flows_traced`,
+# `flows(additions=True)`).
+ADDITIONS = frozenset({"add", "sub", "add_any"})
+SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
+
+
 def flows(
     fn: Callable[..., Any],
     params: tuple[str, ...],
@@ -173,7 +179,7 @@ def flows_traced(
     num_steps: int,
     split: Callable[[Any], list[Any]],
     numbers: frozenset[str],
-    last: frozenset[str] = frozenset(),
+    last: frozenset[str] = ADDITIONS,
 ) -> list[Flow] | None:
     """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
     traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`; or
@@ -182,15 +188,9 @@ def flows_traced(
     concrete."""
     roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
     try:
-        return _flows(fn, params, values, roles, num_steps, split, numbers, last or ADDITIONS)
+        return _flows(fn, params, values, roles, num_steps, split, numbers, last)
     except Exception:
         return None
-
-
-# The operations that accumulate, their first operand the running value (`flows_traced`,
-# `flows(additions=True)`).
-ADDITIONS = frozenset({"add", "sub", "add_any"})
-SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
 
 
 def _flows(
@@ -226,7 +226,8 @@ def _flows(
     for traced in kinds:
         span = range(at, at + sum(traced))
         at += len(span)
-        at_leaf = [next(each) if t else None for each in [iter(span)] for t in traced]
+        index = iter(span)
+        at_leaf = [next(index) if t else None for t in traced]
         result.append(
             Flow(
                 _NONE.union(*(sources[i] for i in span)),

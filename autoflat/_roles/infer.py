@@ -47,12 +47,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
     NNX_NOT_PYTREE,
-    NUMBER_ADDED,
     STATE_NOT_MATCHED,
     STATE_POSITION,
     UNHASHABLE_STATIC,
@@ -66,7 +64,6 @@ from .._transport.structure import is_array
 from . import matching as _matching
 from .abstract import (
     SCALARS,
-    SUMS,
     Flow,
     eval_one_step,
     flows,
@@ -100,7 +97,7 @@ from .rules import (
     repeated_at,
     returned_by_name,
 )
-from .scalars import scalars_to_array, settle_scalars
+from .scalars import accumulated, counters, scalars_to_array, settle_scalars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,8 +436,13 @@ class _Inference:
         then the candidates by value (`matching.match`)."""
         params, values, carried = self.params, self.values, self._carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
-        found = _matching.counters(numbers, values, positions, outs, places, returned.names)
-        found.update(self._accumulated(returned, outs, positions, numbers, places, found))
+        found = counters(numbers, values, positions, outs, places, returned.names)
+        found.update(
+            accumulated(
+                self.analysis, self._traced(returned), values, self.num_steps, returned.names,
+                outs, positions, numbers, places, found,
+            )
+        )  # fmt: skip
         left = [pos for pos in positions if pos not in found.values()]
         places = _matching.places([p for p in params if p in carried or p in found], returned)
         # Several parameters alike, as many positions: settled by data flow, then names.
@@ -462,76 +464,13 @@ class _Inference:
             del by_value[instance]
         return found, by_value
 
-    def _accumulated(
-        self,
-        returned: Return,
-        outs: list[Any],
-        positions: list[int],
-        numbers: list[str],
-        places: dict[str, int],
-        found: dict[str, int],
-    ) -> dict[str, int]:
-        """Python numbers a return position (at their place, or else the one open scalar position
-        made by a sum, `+`) gives back as a scalar array made by an addition whose first operand
-        is the number (`total + loss`, from `total=0.0`): accumulators, carried as arrays as a
-        `lax.scan` carries them. Read off the step traced with those numbers traced, as
-        `jax.jit` traces them. Also one computed from the number under its name or it with a
-        word for new (`new_ema`). A loss beside a static number (`num_classes`) is not computed
-        from it, a product (`loss * scale`) is not a sum, nor is a number added to a loss
-        (`loss + eps`), and one the step needs concrete stays static. A sum resumed from a number
-        that is not 0 may be a constant the step adds to (`eps + loss`): an error names both
-        readings."""
-        scalar = [
-            pos for pos in positions if pos not in found.values() and _scalar_array(outs[pos])
-        ]
-        # Every open scalar position: its place first, then the others (a broadcast batch
-        # before it among the parameters shifted it; `return w, loss, total + loss`).
-        open_ = {p: scalar for p in numbers if p not in found}
-        if not scalar or not open_:
-            return {}
-        trace = functools.partial(
+    def _traced(self, returned: Return) -> Callable[..., list[Flow] | None]:
+        """`abstract.flows_traced` of the step at `returned`'s positions, given the numbers
+        to trace (and the operations counted as sums)."""
+        return functools.partial(
             flows_traced, self.fn, self.params, self.values, self.for_eval, self.num_steps,
-            lambda o: positions_of(returned, o), frozenset(open_),
+            lambda o: positions_of(returned, o),
         )  # fmt: skip
-        direct = trace()
-        if direct is None:
-            return {}
-        sums = functools.cache(lambda: trace(SUMS))
-        added: dict[str, int] = {}
-        named: set[str] = set()
-        for p, spots in open_.items():
-            # Its own name, or it with a word for new (`new_ema = 0.9 * ema + 0.1 * loss`),
-            # computed from it is its new value too, from any start (a shared word alone is
-            # not: `loss` beside `loss_weight`).
-            by_name = [
-                pos
-                for pos in spots
-                if p in direct[pos].sources and _matching.renamed(p, pos, returned.names)
-            ]
-            place = places.get(p, -1)
-            # Away from its place, only a sum (`target - entropy` is a metric).
-            at = by_name or (
-                [place]
-                if place in spots and p in direct[place].direct
-                else [pos for pos in spots if pos != place and p in _direct(sums(), pos)]
-            )
-            if len(at) == 1 and at[0] not in added.values():
-                added[p] = at[0]
-                named.update([p] if by_name else [])
-        for p, pos in added.items():
-            # (a sum starts at 0: `eps + loss` may be a constant)
-            if p not in named and self.values[p] != 0:
-                where = (
-                    f"sits at the place `{p}` has among the parameters that could be state"
-                    if pos == places.get(p)
-                    else "is the one open position so made"
-                )
-                raise error(
-                    OptionError, NUMBER_ADDED, self.analysis, param=p, pos=pos,
-                    type=type(self.values[p]).__name__, value=self.values[p],
-                    num_steps=self.num_steps, placed=where,
-                )  # fmt: skip
-        return added
 
     def _gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,
@@ -728,18 +667,6 @@ class _Inference:
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
-
-
-def _direct(flows: list[Flow] | None, pos: int) -> frozenset[str]:
-    """The parameters whose own leaves the last operation making return position `pos`
-    takes, or none where the step could not be traced so (`flows_traced` gave None)."""
-    return frozenset() if flows is None else flows[pos].direct
-
-
-def _scalar_array(out: Any) -> bool:
-    """A 0-d numeric array (abstract), as a Python number traced becomes."""
-    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
-    return shape == () and dtype is not None and jax.dtypes.issubdtype(dtype, np.number)
 
 
 def _has_arrays(value: Any) -> bool:

@@ -274,43 +274,6 @@ def _words(name: str) -> set[str]:
     return {w for w in re.split(r"[^a-z]+", name.lower()) if w}
 
 
-def counters(
-    numbers: list[str],
-    values: dict[str, Any],
-    positions: list[int],
-    outputs: list[Any],
-    places: dict[str, int],
-    names: tuple[str | None, ...],
-) -> dict[str, int]:
-    """With num_steps > 1, Python numbers the step gives back changed at their place among
-    the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
-    counter or a decayed rate, carried as an array. Left static (as other Python numbers),
-    every step of a call saw the first value, silently. Only a Python number of the same
-    type at that place counts: an array there (a loss) says nothing about a static
-    `num_classes`, nor a constant `0` about a float rate. Where a number's place holds no
-    such value (a broadcast teacher before it among the parameters shifted it), the one
-    open position giving back its int plus one (`step + 1`) or a changed number under its
-    name (`step = step + 1; return params, step`): a metric made from a static number
-    (`epoch // 10 + 1`, `x.shape[0] * n_devices`) is neither."""
-
-    def changed(p: str, pos: int) -> bool:
-        out = outputs[pos]
-        return type(out) is type(values[p]) and out != values[p]
-
-    def counted(p: str, pos: int) -> bool:
-        plus_one = type(values[p]) is int and outputs[pos] == values[p] + 1
-        return changed(p, pos) and (plus_one or renamed(p, pos, names))
-
-    found = {p: places[p] for p in numbers if places.get(p, -1) in positions}
-    found = {p: pos for p, pos in found.items() if changed(p, pos)}
-    open_ = [pos for pos in positions if pos not in found.values()]
-    spots = {p: [pos for pos in open_ if counted(p, pos)] for p in numbers if p not in found}
-    for p, at in spots.items():  # (one position, claimed by no other number)
-        if len(at) == 1 and sum(at[0] in other for other in spots.values()) == 1:
-            found[p] = at[0]
-    return found
-
-
 def settle_alike(
     left: list[str],
     spots: list[int],

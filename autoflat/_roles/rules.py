@@ -361,8 +361,8 @@ def describe(value: Any) -> str:
 def python_scalar(ctx: Context, p: str) -> Evidence | None:
     """A string, bytes or None is static, as in `eqx.filter_jit`; with num_steps > 1 any
     Python number too, unless a return position gives it back changed at its place
-    (`matching.counters`), or as a scalar array made by adding to it (`total + loss`,
-    `_Inference._accumulated`): then state, carried as an array; with num_steps=1 a
+    (`scalars.counters`), or as a scalar array made by adding to it (`total + loss`,
+    `scalars.accumulated`): then state, carried as an array; with num_steps=1 a
     Python number the step needs concrete (`scalars.settle_scalars`)."""
     call = ctx.call
     if call is None:

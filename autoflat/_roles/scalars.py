@@ -1,4 +1,5 @@
-"""Python numbers at a step's first call (`infer`): which stay static and which are traced.
+"""Python numbers at a step's first call (`infer`): which stay static, which are traced, and
+which are state (rule 8: counters and accumulators at `num_steps > 1`).
 
 With `num_steps=1` Python numbers are traced, as `jax.jit` traces them, unless the step needs
 one concrete (`settle_scalars`). Python scalars inside state that a step changes become arrays
@@ -8,14 +9,18 @@ static (`scalars_to_array`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from .._analysis.analysis import Return
+from .._analysis.analysis import Analysis, Return
+from .._errors import NUMBER_ADDED, OptionError, error
 from .._handles.writeback import is_mutable_module
-from .abstract import SCALARS, eval_one_step, positions_of
+from .abstract import SCALARS, SUMS, Flow, eval_one_step, positions_of
+from .matching import renamed
 from .options import Role
 from .roles import Roles
 
@@ -110,3 +115,114 @@ def scalars_to_array(
                 changed.append(i)
         result.append(tuple(changed))
     return tuple(result)
+
+
+def counters(
+    numbers: list[str],
+    values: dict[str, Any],
+    positions: list[int],
+    outputs: list[Any],
+    places: dict[str, int],
+    names: tuple[str | None, ...],
+) -> dict[str, int]:
+    """With num_steps > 1, Python numbers the step gives back changed at their place among
+    the parameters that could be state (`return w, step + 1, lr` for `(w, step, x)`): a
+    counter or a decayed rate, carried as an array. Left static (as other Python numbers),
+    every step of a call saw the first value, silently. Only a Python number of the same
+    type at that place counts: an array there (a loss) says nothing about a static
+    `num_classes`, nor a constant `0` about a float rate. Where a number's place holds no
+    such value (a broadcast teacher before it among the parameters shifted it), the one
+    open position giving back its int plus one (`step + 1`) or a changed number under its
+    name (`step = step + 1; return params, step`): a metric made from a static number
+    (`epoch // 10 + 1`, `x.shape[0] * n_devices`) is neither."""
+
+    def changed(p: str, pos: int) -> bool:
+        out = outputs[pos]
+        return type(out) is type(values[p]) and out != values[p]
+
+    def counted(p: str, pos: int) -> bool:
+        plus_one = type(values[p]) is int and outputs[pos] == values[p] + 1
+        return changed(p, pos) and (plus_one or renamed(p, pos, names))
+
+    found = {p: places[p] for p in numbers if places.get(p, -1) in positions}
+    found = {p: pos for p, pos in found.items() if changed(p, pos)}
+    open_ = [pos for pos in positions if pos not in found.values()]
+    spots = {p: [pos for pos in open_ if counted(p, pos)] for p in numbers if p not in found}
+    for p, at in spots.items():  # (one position, claimed by no other number)
+        if len(at) == 1 and sum(at[0] in other for other in spots.values()) == 1:
+            found[p] = at[0]
+    return found
+
+
+def accumulated(
+    analysis: Analysis,
+    trace: Callable[..., list[Flow] | None],
+    values: dict[str, Any],
+    num_steps: int,
+    names: tuple[str | None, ...],
+    outs: list[Any],
+    positions: list[int],
+    numbers: list[str],
+    places: dict[str, int],
+    found: dict[str, int],
+) -> dict[str, int]:
+    """With num_steps > 1, Python numbers a return position (at their place, or else the one
+    open scalar position made by a sum, `+`) gives back as a scalar array made by an addition
+    whose first operand is the number (`total + loss`, from `total=0.0`): accumulators,
+    carried as arrays as a `lax.scan` carries them. Read off the step traced with those
+    numbers traced, as `jax.jit` traces them (`trace`: `abstract.flows_traced` given the
+    numbers). Also one computed from the number under its name or it with a word for new
+    (`new_ema`). A loss beside a static number (`num_classes`) is not computed from it, a
+    product (`loss * scale`) is not a sum, nor is a number added to a loss (`loss + eps`),
+    and one the step needs concrete stays static. A sum resumed from a number that is not 0
+    may be a constant the step adds to (`eps + loss`): an error names both readings."""
+    # Every open scalar position: its place first, then the others (a broadcast batch
+    # before it among the parameters shifted it; `return w, loss, total + loss`).
+    scalar = [pos for pos in positions if pos not in found.values() and _scalar_array(outs[pos])]
+    open_ = [p for p in numbers if p not in found]
+    direct = trace(frozenset(open_)) if scalar and open_ else None
+    if direct is None:
+        return {}
+    sums = functools.cache(lambda: trace(frozenset(open_), SUMS))
+    added: dict[str, int] = {}
+    named: set[str] = set()
+    for p in open_:
+        # Its own name, or it with a word for new (`new_ema = 0.9 * ema + 0.1 * loss`),
+        # computed from it is its new value too, from any start (a shared word alone is
+        # not: `loss` beside `loss_weight`).
+        by_name = [pos for pos in scalar if p in direct[pos].sources and renamed(p, pos, names)]
+        place = places.get(p, -1)
+        # Away from its place, only a sum (`target - entropy` is a metric).
+        at = by_name or (
+            [place]
+            if place in scalar and p in direct[place].direct
+            else [pos for pos in scalar if pos != place and p in _direct(sums(), pos)]
+        )
+        if len(at) == 1 and at[0] not in added.values():
+            added[p] = at[0]
+            named.update([p] if by_name else [])
+    for p, pos in added.items():
+        if p not in named and values[p] != 0:  # (a sum starts at 0: `eps + loss` may be a constant)
+            where = (
+                f"sits at the place `{p}` has among the parameters that could be state"
+                if pos == places.get(p)
+                else "is the one open position so made"
+            )
+            raise error(
+                OptionError, NUMBER_ADDED, analysis, param=p, pos=pos,
+                type=type(values[p]).__name__, value=values[p], num_steps=num_steps,
+                placed=where,
+            )  # fmt: skip
+    return added
+
+
+def _direct(flows: list[Flow] | None, pos: int) -> frozenset[str]:
+    """The parameters whose own leaves the last operation making return position `pos`
+    takes, or none where the step could not be traced so (`flows_traced` gave None)."""
+    return frozenset() if flows is None else flows[pos].direct
+
+
+def _scalar_array(out: Any) -> bool:
+    """A 0-d numeric array (abstract), as a Python number traced becomes."""
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    return shape == () and dtype is not None and jax.dtypes.issubdtype(dtype, np.number)
