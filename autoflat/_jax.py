@@ -142,6 +142,11 @@ def params(eqn: Any) -> dict[str, Any]:
     return eqn.params  # type: ignore[no-any-return]
 
 
+def var_aval(v: Any) -> Any:
+    """The abstract value (shape, dtype) of an equation's operand or output variable."""
+    return v.aval
+
+
 def out_aval(eqn: Any) -> Any:
     """The abstract value (shape, dtype) of an equation's first output."""
     return eqn.outvars[0].aval
@@ -177,6 +182,14 @@ def jaxprs_in(value: Any) -> list[Any]:
 def holds_jaxprs(eqn: Any) -> bool:
     """Whether any parameter of an equation holds a jaxpr (a call, a scan, a cond, ...)."""
     return any(jaxprs_in(value) for value in eqn.params.values())
+
+
+def branches(eqn: Any) -> list[Any]:
+    """The (open) jaxprs of a `cond`'s branches, each called with the cond's inputs after
+    the first (the branch index); none for any other equation."""
+    if eqn.primitive.name != "cond":
+        return []
+    return jaxprs_in(eqn.params.get("branches"))
 
 
 def called_jaxpr(eqn: Any) -> Any:

@@ -1888,6 +1888,196 @@ def test_a_container_alike_an_output_that_is_not_computed_from_it_is_asked_about
     tree_allclose(got, ref)
 
 
+def _normalised(w, stats, x, y):
+    mu, sd = stats
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((((x - mu) / sd) @ w - y) ** 2))(w)
+    return w - 0.1 * g, (loss, jnp.sqrt(jnp.sum(g**2)))
+
+
+def _projected(w, bounds, x, y):
+    lo, hi = bounds
+    w = jnp.clip(w, lo, hi)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - 0.1 * g, (loss, jnp.mean(w))
+
+
+def _decayed(w, hp, x, y):
+    lr, wd = hp
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2) + wd * jnp.sum(w**2))(w)
+    return w - lr * g, (loss, jnp.sqrt(jnp.sum(g**2)))
+
+
+def _scalar_loss(w, x, y):
+    return jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+
+
+def _ema_metrics(w, ema, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, (0.9 * ema[0] + 0.1 * loss, 0.9 * ema[1] + 0.1 * jnp.sum(g**2))
+
+
+def _early_stopping(w, es, x, y):
+    best, patience = es
+    loss, g = _scalar_loss(w, x, y)
+    patience = jnp.where(loss < best, 0.0, patience + 1.0)
+    return w - 0.1 * g, (jnp.minimum(best, loss), patience)
+
+
+def _welford(w, st, x, y):
+    n, mean, m2 = st
+    xm, n = jnp.mean(x), n + 1.0
+    delta = xm - mean
+    mean = mean + delta / n
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, (n, mean, m2 + delta * (xm - mean))
+
+
+def _loss_scale(w, ls, x, y):
+    scale, good = ls
+    g = jax.grad(lambda w: scale * jnp.mean((x @ w - y) ** 2))(w) / scale
+    finite = jnp.all(jnp.isfinite(g))
+    good = jnp.where(finite, good + 1.0, 0.0)
+    scale = jnp.where(finite, jnp.where(good >= 2.0, scale * 2.0, scale), scale / 2.0)
+    return w - 0.1 * g, (scale, jnp.where(good >= 2.0, 0.0, good))
+
+
+def _shares(w, st, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    a = st[0] + loss
+    return w - 0.1 * g, (a / (a + st[1]), st[1] / (a + st[1]))
+
+
+def _counted_in_scan(w, st, x, y):
+    def body(c, xy):
+        return (c[0] + 1.0, c[1] + (xy[0] @ w - xy[1]) ** 2), None
+
+    st, _ = jax.lax.scan(body, st, (x, y))
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, st
+
+
+def _stopping_flag(w, es, x, y):
+    best, wait, stop = es
+    loss, g = _scalar_loss(w, x, y)
+    improved = loss < best
+    wait = jnp.where(improved, 0.0, wait + 1.0)
+    stop = wait >= 2.0
+    return jnp.where(stop, w, w - 0.1 * g), (jnp.where(improved, loss, best), wait, stop)
+
+
+def _stacked_best(w, st, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    best = jnp.min(jnp.stack([st[0], loss]))
+    return w - 0.1 * g, (best, jax.nn.logsumexp(jnp.stack([st[1], -loss])))
+
+
+def _debiased(w, st, x, y):
+    ema, _, beta_pow = st
+    loss, g = _scalar_loss(w, x, y)
+    ema, beta_pow = 0.9 * ema + 0.1 * loss, beta_pow * 0.9
+    return w - 0.1 * g, (ema, ema / (1 - beta_pow), beta_pow)
+
+
+def _scheduled(w, st, x, y):
+    count, lr = st
+    _, g = _scalar_loss(w, x, y)
+    count = optax.safe_int32_increment(count)
+    return w - lr * g, (count, optax.cosine_decay_schedule(0.1, 10)(count))
+
+
+def _guarded(w, hp, x, y):  # (an update skipped on a non-finite loss)
+    lr, max_norm = hp
+    loss, g = _scalar_loss(w, x, y)
+
+    def apply(_):
+        clipped = g * jnp.minimum(1.0, max_norm / optax.tree.norm(g))
+        return w - lr * clipped, (loss, optax.tree.norm(clipped))
+
+    def skip(_):
+        return w, (jnp.float32(0.0), jnp.float32(0.0))
+
+    w, metrics = jax.lax.cond(jnp.isfinite(loss), apply, skip, None)
+    return w, metrics
+
+
+_SCALARS_XS = jax.random.normal(jax.random.key(2), (4, 8, 3))
+_SCALARS_YS = jax.random.normal(jax.random.key(3), (4, 8))
+
+
+def _jit_loop(fn, w, st, broadcast=False):
+    outs = []
+    for i in range(4):
+        w, out = jax.jit(fn)(w, st, _SCALARS_XS[i], _SCALARS_YS[i])
+        if broadcast:
+            outs.append(out)
+        else:
+            st = out
+    return w, (jax.tree.map(lambda *o: jnp.stack(o), *outs) if broadcast else st)
+
+
+@pytest.mark.parametrize(
+    ("fn", "name", "why", "start"),
+    [
+        (
+            _normalised,
+            "stats",
+            "[0]` is computed from `stats` only through a reduction",
+            (0.5, 2.0),
+        ),
+        (_projected, "bounds", "[0]` is computed from `bounds` only through a reduction", (-1, 1)),
+        (_decayed, "hp", "[1]` is computed from `hp` only through a reduction", (0.1, 0.01)),
+        (_guarded, "hp", "[0]` is not computed from `hp`", (0.1, 0.5)),
+    ],
+)
+def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_about(
+    fn, name, why, start
+):
+    """A tuple of scalar arrays beside a metrics tuple of as many scalars, where a metric is
+    computed from the tuple only through a mean or a norm over arrays it was spread over
+    (input statistics `(mu, sd)`, projection bounds applied before the loss, the gradient
+    norm beside `(lr, wd)` with the weight decay in the loss), or not at all from a `cond`'s
+    branches: carried as the metrics at num_steps > 1, silently wrong. Now an error naming
+    the leaf and both fixes; `broadcast=` equals `jax.jit`."""
+    w0, start = jnp.ones(3), tuple(jnp.float32(v) for v in start)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    message = str(e.value)
+    assert f"return position 1 has the tree structure, shapes and dtypes of `{name}`" in message
+    assert f"its leaf at `{why}" in message
+    assert f'state={{"{name}": 1}}' in message and f'broadcast="{name}"' in message
+    step = autoflat.step(fn, num_steps=4, broadcast=name)
+    tree_allclose(step(w0, start, _SCALARS_XS, _SCALARS_YS), _jit_loop(fn, w0, start, True))
+
+
+@pytest.mark.parametrize(
+    ("fn", "start"),
+    [
+        (_ema_metrics, (jnp.float32(1.0), jnp.float32(2.0))),
+        (_early_stopping, (jnp.float32(9.0), jnp.float32(0.0))),
+        (_welford, (jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0))),
+        (_loss_scale, (jnp.float32(2.0**8), jnp.float32(0.0))),
+        (_shares, (jnp.float32(1.0), jnp.float32(2.0))),
+        (_counted_in_scan, (jnp.float32(0.0), jnp.float32(0.0))),
+        (_stopping_flag, (jnp.float32(9.0), jnp.float32(0.0), jnp.bool_(False))),
+        (_stacked_best, (jnp.float32(9.0), jnp.float32(0.0))),
+        (_debiased, (jnp.float32(0.0), jnp.float32(0.0), jnp.float32(1.0))),
+        (_scheduled, (jnp.int32(0), jnp.float32(0.1))),
+    ],
+)
+def test_scalar_state_computed_from_itself_is_carried(fn, start):
+    """Scalar state a step computes from its own leaves (an EMA of metrics, early stopping's
+    best loss and patience, Welford's running moments, a dynamic loss scale, shares of a
+    total, counters summed in the step's own `lax.scan`, a minimum or a logsumexp over a
+    stack of the old value and the loss), or from another leaf's new value (a stop flag, a
+    debiased EMA, a learning rate scheduled on optax's count), is still matched by value and
+    carried: equal to a loop of `jax.jit` over four steps."""
+    w0 = jnp.ones(3)
+    step = autoflat.step(fn, num_steps=4)
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    assert "state (matched by value" in autoflat.show(step)
+    tree_allclose(got, _jit_loop(fn, w0, start))
+
+
 def _distill_step(student, opt_state, teacher, x, y, distill_weight=0.5):
     t = x @ teacher
 

@@ -95,6 +95,7 @@ def test_the_walk_reads_inputs_outputs_constants_and_literals():
     add = _eqn(jaxpr, "add")
     assert any(_jax.is_literal(v) for v in _jax.inputs(add))
     assert _jax.out_aval(add).shape == (3,)
+    assert _jax.var_aval(_jax.inputs(jaxpr)[0]).shape == (3,)
     assert _jax.primitive(add).name == "add"
     assert _jax.params(add) == {}
     # An open jaxpr: itself, with no consts; from JAX 0.12 a jaxpr holds its consts (the
@@ -131,6 +132,13 @@ def test_jaxprs_in_a_cond_s_branches_and_a_callback_inside():
     closed = jax.make_jaxpr(f)(1.0)
     cond = _eqn(_jax.called_jaxpr(_eqn(closed, "jit")), "cond")
     assert len(_jax.jaxprs_in(_jax.params(cond)["branches"])) == 2
+    # each branch takes the cond's operands after its index, and gives its outputs
+    branches = _jax.branches(cond)
+    assert len(branches) == 2
+    assert all(len(_jax.inputs(b)) == len(_jax.inputs(cond)) - 1 for b in branches)
+    assert all(len(_jax.outputs(b)) == len(_jax.outputs(cond)) for b in branches)
+    assert {_jax.name(e) for e in _jax.equations(branches[0])} == {"sin"}
+    assert _jax.branches(_eqn(closed, "jit")) == []
     assert "debug_callback" in _jax.primitive_names(closed)
     assert _jax.jaxprs_in(3) == []
 

@@ -4,8 +4,9 @@ Owns the role rules (`rules`: one ordered table, the table of docs/roles.md, eac
 function giving a role with its evidence or passing), the options and the roles they give
 (`options`, `roles`), the first call's inference (`infer`: what the rules read from the
 first call's values), the abstract evaluation of one step and comparison of abstract values
-(`abstract`), state matched by abstract value (`matching`), readings autoflat refuses to
-choose between (`hazards`) and Python numbers at the first call (`scalars`).
+(`abstract`), one step's data flow read off its jaxpr (`flow`), state matched by abstract
+value (`matching`), readings autoflat refuses to choose between (`hazards`) and Python
+numbers at the first call (`scalars`).
 
 Takes in: the `Analysis`, the options, and (at the first call) the arguments.
 Hands on: `Roles` (each parameter's role, its evidence and the rule that decided it, each

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import inspect
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -88,7 +87,7 @@ def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
-def _one_step_call(
+def one_step_call(
     fn: Callable[..., Any],
     params: tuple[str, ...],
     values: dict[str, Any],
@@ -126,7 +125,7 @@ def _one_step_call(
     return parts, call
 
 
-def _arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
+def arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
     """One value per parameter: rebuilt from its (abstract) arrays, or a static one as is."""
     return [
         value if rebuild is None else rebuild(a)
@@ -134,112 +133,7 @@ def _arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
     ]
 
 
-class Flow(NamedTuple):
-    """Where one return position's arrays come from (`flows`): the parameters they are
-    computed from, those whose own arrays are operands of the last operation making them,
-    and per leaf (in `tree_leaves` order) the parameters that leaf is computed from and the
-    parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None."""
-
-    sources: frozenset[str]
-    direct: frozenset[str]
-    leaves: tuple[frozenset[str], ...]
-    owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
-
-
-# The operations that accumulate, their first operand the running value (`flows_traced`,
-# `flows(additions=True)`).
-ADDITIONS = frozenset({"add", "sub", "add_any"})
-SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
-
-
-def flows(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-    split: Callable[[Any], list[Any]],
-    additions: bool = False,
-) -> list[Flow]:
-    """For each return position (`split` of one step's value), its `Flow`: the parameters
-    its arrays are computed from, and those whose own arrays are operands of the last
-    operation making them (`p + u`; with `additions`, only where that operation is an
-    addition), read off the step's jaxpr. Computed-from is an over-approximation: every
-    output of an operation counts as computed from all of its inputs."""
-    last = ADDITIONS if additions else None
-    attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split, last=last)
-    return _traced_on_failure(attempt, values, roles)
-
-
-def flows_traced(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-    split: Callable[[Any], list[Any]],
-    numbers: frozenset[str],
-    last: frozenset[str] = ADDITIONS,
-) -> list[Flow] | None:
-    """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
-    traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`; or
-    the operations `last`) counted as the last operation taking a parameter's own leaf (a
-    product, `loss * scale`, is not an accumulation); None if the step needs one of them
-    concrete."""
-    roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
-    try:
-        return _flows(fn, params, values, roles, num_steps, split, numbers, last)
-    except Exception:
-        return None
-
-
-def _flows(
-    fn: Callable[..., Any],
-    params: tuple[str, ...],
-    values: dict[str, Any],
-    roles: dict[str, Role],
-    num_steps: int,
-    split: Callable[[Any], list[Any]],
-    scalars: frozenset[str],
-    last: frozenset[str] | None = None,
-) -> list[Flow]:
-    """`flows` once, with the Python numbers of the parameters `scalars` traced (and, given
-    `last`, only operations of those names counted as the last one taking an operand)."""
-    parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
-    kinds: list[list[bool]] = []  # per position, per leaf: traced (else a constant)
-
-    def one_step(arrays: list[list[Any]]) -> Any:
-        args = _arguments(parts, arrays)
-        outs = []
-        for item in split(call(args)):
-            leaves = jax.tree_util.tree_leaves(item)
-            kinds.append([_jax.is_tracer(x) for x in leaves])
-            outs += [x for x in leaves if _jax.is_tracer(x)]
-        return outs
-
-    inputs = [[] if rebuild is None else a for rebuild, a in parts]
-    jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
-    owners = [p for p, a in zip(params, inputs, strict=True) for _ in a]
-    sources, direct, roots = _walk(jaxpr, [frozenset({p}) for p in owners], list(owners), last)
-    result = []
-    at = 0
-    for traced in kinds:
-        span = range(at, at + sum(traced))
-        at += len(span)
-        index = iter(span)
-        at_leaf = [next(index) if t else None for t in traced]
-        result.append(
-            Flow(
-                _NONE.union(*(sources[i] for i in span)),
-                _NONE.union(*(direct[i] | _own(roots[i]) for i in span)),
-                tuple(_NONE if i is None else sources[i] for i in at_leaf),
-                tuple(None if i is None else roots[i] for i in at_leaf),
-            )
-        )
-    return result
-
-
-def _traced_on_failure(
+def traced_on_failure(
     evaluate: Callable[[frozenset[str]], Any], values: dict[str, Any], roles: dict[str, Role]
 ) -> Any:
     """`evaluate(frozenset())`, which keeps the Python numbers inside state and broadcast
@@ -266,81 +160,6 @@ def _traced_on_failure(
             except Exception:
                 continue
         raise first from None
-
-
-_NONE: frozenset[str] = frozenset()
-
-
-def _own(root: str | None) -> frozenset[str]:
-    return _NONE if root is None else frozenset({root})
-
-
-def _walk(
-    jaxpr: Any,
-    sources_in: list[frozenset[str]],
-    roots_in: list[str | None],
-    last: frozenset[str] | None = None,
-) -> tuple[list[frozenset[str]], list[frozenset[str]], list[str | None]]:
-    """Per output of `jaxpr`, given per input the parameters it is computed from and the
-    parameter it is the own leaf of (or None): the parameters it is computed from (every
-    output of an operation counts as computed from all of its inputs), those whose own leaves
-    are operands of the operation making it (`p + u` in `optax.apply_updates`), and the
-    parameter it is the own leaf of, through casts and reshapes. A call of a jaxpr (a
-    `jax.jit`-ed helper, a custom derivative, a remat) is walked into; another operation
-    holding jaxprs (a scan, a cond) takes no operand directly; given `last` (additions),
-    only an operation of those names does, and only its first operand."""
-    source: dict[Any, frozenset[str]] = dict(zip(_jax.inputs(jaxpr), sources_in, strict=True))
-    root: dict[Any, str] = {
-        v: r for v, r in zip(_jax.inputs(jaxpr), roots_in, strict=True) if r is not None
-    }
-    direct: dict[Any, frozenset[str]] = {}
-
-    def get(v: Any) -> tuple[frozenset[str], str | None]:
-        if _jax.is_literal(v):
-            return _NONE, None
-        return source.get(v, _NONE), root.get(v)
-
-    for eqn in _jax.equations(jaxpr):
-        ins = [v for v in _jax.inputs(eqn) if not _jax.is_literal(v)]
-        inner = _jax.called_jaxpr(eqn)
-        if inner is not None:
-            got = [get(v) for v in _jax.inputs(eqn)]
-            walked = _walk(inner, [g[0] for g in got], [g[1] for g in got], last)
-            for v, s_, d_, r_ in zip(_jax.outputs(eqn), *walked, strict=True):
-                source[v], direct[v] = s_, d_
-                if r_ is not None:
-                    root[v] = r_
-            continue
-        found = _NONE.union(*(source.get(v, _NONE) for v in ins))
-        holds = _jax.holds_jaxprs(eqn)
-        if last is None:
-            operands = [] if holds else ins
-        else:
-            # An accumulation's own value is its first operand (`total + loss`, `t - 1`):
-            # `loss + beta` and `loss - f_star` do not accumulate `beta` or `f_star`.
-            first = list(_jax.inputs(eqn)[:1])
-            takes = _jax.name(eqn) in last and first and not _jax.is_literal(first[0])
-            operands = first if takes else []
-        near = frozenset(root[v] for v in operands if v in root)
-        through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1 and ins[0] in root
-        for v in _jax.outputs(eqn):
-            source[v] = found
-            direct[v] = near
-            if through:
-                root[v] = root[ins[0]]
-    got_out = [get(v) for v in _jax.outputs(jaxpr)]
-    return (
-        [s_ for s_, _ in got_out],
-        [_NONE if _jax.is_literal(v) else direct.get(v, _NONE) for v in _jax.outputs(jaxpr)],
-        [r_ for _, r_ in got_out],
-    )
-
-
-# Operations that pass a value through (a cast, a copy, a reshape): what they make is still
-# the parameter's own leaf for `flows`.
-_PASS_THROUGH = frozenset(
-    {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
-)
 
 
 # What serves `eval_one_step` while a first call's inference runs (`one_step_from`): called
@@ -393,7 +212,7 @@ def eval_one_step(
     parameters whose leaves after the step (updated in place: state written back) are put
     there as (key path, leaf) pairs, abstract where traced. The Python numbers inside state
     and broadcast arguments stay Python numbers, unless the step raises on them
-    (`_traced_on_failure`). Served by the runtime's trace where it can (`one_step_from`)."""
+    (`traced_on_failure`). Served by the runtime's trace where it can (`one_step_from`)."""
     server = _SERVER.get()
     if server is not None and after is None:
         served = server(fn, values, roles, num_steps)
@@ -401,11 +220,11 @@ def eval_one_step(
             return served[0]
 
     def attempt(scalars: frozenset[str]) -> Any:
-        parts, call = _one_step_call(fn, params, values, roles, num_steps, scalars)
+        parts, call = one_step_call(fn, params, values, roles, num_steps, scalars)
         found: dict[str, Any] = {}
 
         def one_step(arrays: list[list[Any]]) -> Any:
-            args = _arguments(parts, arrays)
+            args = arguments(parts, arrays)
             # Only traced values leave the evaluation; the rest (Python values, constants) are
             # kept as they are, so a Python scalar returned unchanged stays one.
             result = call(args)
@@ -452,7 +271,7 @@ def eval_one_step(
         order = found["order"]
         return out if order is None else {k: out[k] for k in order}
 
-    return _traced_on_failure(attempt, values, roles)
+    return traced_on_failure(attempt, values, roles)
 
 
 def is_copy(earlier: Any, later: Any) -> bool:

@@ -47,7 +47,8 @@ from .._errors import (
 )
 from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
-from .abstract import Flow, abstract_leaves, eval_one_step, positions_of, same_value
+from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
+from .flow import Flow, scalar_container
 from .matching import is_key, names_gradients
 from .options import Options, Role
 
@@ -399,14 +400,43 @@ def refuse_unlinked(
                 for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
                 if p not in sources and owner is None and not (sources and sources <= per_step)
             ]
-            if not unlinked or evidence(p, pos):
+            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(outputs[pos])[0]]
+            if unlinked:
+                at = jax.tree_util.keystr(paths[unlinked[0]])
+                why = f"its leaf at `{at}` is not computed from `{p}`"
+            elif reduced := _only_reduced(p, values[p], here, per_step):
+                at = jax.tree_util.keystr(paths[reduced[0]])
+                why = (
+                    f"its leaf at `{at}` is computed from `{p}` only through a reduction of "
+                    f"arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is"
+                )
+            else:
                 continue
-            path = jax.tree_util.tree_flatten_with_path(outputs[pos])[0][unlinked[0]][0]
-            why = f"its leaf at `{jax.tree_util.keystr(path)}` is not computed from `{p}`"
+            if evidence(p, pos):
+                continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
             num_steps=num_steps,
         )  # fmt: skip
+
+
+def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> list[int]:
+    """For a container of scalar arrays (`(count, total)`, `(mu, sd)`, `(lr, wd)`), the
+    leaves of its position computed from it only through reductions of arrays it was spread
+    over (`Flow.smooth`): the loss and gradient norm of a step that normalises its inputs by
+    `(mu, sd)`, or whose loss adds `wd * jnp.sum(w**2)`. Scalar state is computed from itself
+    otherwise (`count + 1`, `0.9 * ema + 0.1 * loss`, `jnp.min(jnp.stack([best, loss]))`);
+    a leaf given back as an argument came, or made from per-step arguments alone, is a
+    carry's input."""
+    if not scalar_container(value):
+        return []
+    return [
+        j
+        for j, (sources, owner, smooth) in enumerate(
+            zip(flow.leaves, flow.owners, flow.smooth, strict=True)
+        )
+        if owner is None and not (sources and sources <= per_step) and p not in smooth
+    ]
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:

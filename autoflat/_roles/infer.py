@@ -62,15 +62,8 @@ from .._errors import (
 from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import (
-    SCALARS,
-    Flow,
-    eval_one_step,
-    flows,
-    flows_traced,
-    positions_of,
-    same_value,
-)
+from .abstract import SCALARS, eval_one_step, positions_of, same_value
+from .flow import Flow, flows, flows_traced
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
@@ -413,7 +406,7 @@ class _Inference:
 
     def _flow_of(self, returned: Return) -> Callable[[], Any]:
         """Per return position of `returned`, the parameters it is computed from and those
-        the last operation making it takes (`abstract.flows`), read once when first asked."""
+        the last operation making it takes (`flow.flows`), read once when first asked."""
 
         def read() -> list[Flow]:
             if returned not in self._flows:
@@ -465,7 +458,7 @@ class _Inference:
         return found, by_value
 
     def _traced(self, returned: Return) -> Callable[..., list[Flow] | None]:
-        """`abstract.flows_traced` of the step at `returned`'s positions, given the numbers
+        """`flow.flows_traced` of the step at `returned`'s positions, given the numbers
         to trace (and the operations counted as sums)."""
         return functools.partial(
             flows_traced, self.fn, self.params, self.values, self.for_eval, self.num_steps,

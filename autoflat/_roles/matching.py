@@ -30,7 +30,8 @@ from .._errors import (
     error,
 )
 from .._transport.structure import is_array
-from .abstract import Flow, is_copy, same_value
+from .abstract import is_copy, same_value
+from .flow import Flow
 
 
 def match(

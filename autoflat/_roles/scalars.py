@@ -19,7 +19,8 @@ import numpy as np
 from .._analysis.analysis import Analysis, Return
 from .._errors import NUMBER_ADDED, OptionError, error
 from .._handles.writeback import is_mutable_module
-from .abstract import SCALARS, SUMS, Flow, eval_one_step, positions_of
+from .abstract import SCALARS, eval_one_step, positions_of
+from .flow import SUMS, Flow
 from .matching import renamed
 from .options import Role
 from .roles import Roles
@@ -170,7 +171,7 @@ def accumulated(
     open scalar position made by a sum, `+`) gives back as a scalar array made by an addition
     whose first operand is the number (`total + loss`, from `total=0.0`): accumulators,
     carried as arrays as a `lax.scan` carries them. Read off the step traced with those
-    numbers traced, as `jax.jit` traces them (`trace`: `abstract.flows_traced` given the
+    numbers traced, as `jax.jit` traces them (`trace`: `flow.flows_traced` given the
     numbers). Also one computed from the number under its name or it with a word for new
     (`new_ema`). A loss beside a static number (`num_classes`) is not computed from it, a
     product (`loss * scale`) is not a sum, nor is a number added to a loss (`loss + eps`),

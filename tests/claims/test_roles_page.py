@@ -3698,3 +3698,57 @@ def test_a_container_linked_to_a_position_by_its_type_alone_is_asked_about():
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), autoflat.unwrap(got), state
         )
+
+
+@claim(
+    PAGE,
+    "A container of scalar arrays (`(count, total)`, `(mu, sd)`, `(lr, wd)`) asks more: no leaf of the position is computed from it only through a reduction (a mean, a sum, a norm) of arrays it was spread over (the loss of a step that normalises its inputs by `(mu, sd)`; the gradient norm beside `(lr, wd)` with `wd * jnp.sum(w**2)` in the loss), with the same exceptions and evidence; else the same `autoflat.OptionError`. `count + 1`, `0.9 * ema + 0.1 * loss`, `jnp.min(jnp.stack([best, loss]))` and a flag `wait >= 2` made from a sibling leaf are computed from it otherwise.",
+)
+@claim(
+    PAGE,
+    'an `OptionError`: the loss is computed from `mu` only through a mean; `broadcast="stats"` or `state={"stats": 1}`',
+)
+def test_a_container_of_scalars_is_computed_from_its_own_leaves():
+    def normalised(w, stats, x):
+        mu, sd = stats
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((((x - mu) / sd) * w - 1.0) ** 2))(w)
+        return w - 0.1 * g, (loss, jnp.sqrt(jnp.sum(g**2)))
+
+    def decayed(w, hp, x):
+        lr, wd = hp
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((x * w) ** 2) + wd * jnp.sum(w**2))(w)
+        return w - lr * g, (loss, jnp.sqrt(jnp.sum(g**2)))
+
+    def tracked(w, st, x):
+        (count, total), (ema, best, wait, stop) = st
+        loss = jnp.sum((x * w) ** 2)
+        wait = jnp.where(loss < best, 0.0, wait + 1.0)
+        return w * 0.99, (
+            (count + 1.0, total + loss),
+            (0.9 * ema + 0.1 * loss, jnp.min(jnp.stack([best, loss])), wait, wait >= 2),
+        )
+
+    xs = data(4, 3)
+    pair = (jnp.float32(0.5), jnp.float32(2.0))
+    for fn, name in ((normalised, "stats"), (decayed, "hp")):
+        with pytest.raises(autoflat.OptionError) as e:
+            autoflat.step(fn, num_steps=4)(jnp.ones(3), pair, xs)
+        message = str(e.value)
+        assert f"is computed from `{name}` only through a reduction" in message
+        assert f'broadcast="{name}"' in message and f'state={{"{name}": 1}}' in message
+        got = autoflat.step(fn, num_steps=4, broadcast=name)(jnp.ones(3), pair, xs)
+        w, outs = jnp.ones(3), []
+        for i in range(4):
+            w, out = jax.jit(fn)(w, pair, xs[i])
+            outs.append(out)
+        tree_allclose(got, (w, jax.tree.map(lambda *o: jnp.stack(o), *outs)))
+
+    f32 = jnp.float32
+    start = ((f32(0.0), f32(0.0)), (f32(1.0), f32(9.0), f32(0.0), jnp.bool_(False)))
+    step = autoflat.step(tracked, num_steps=4)
+    got = step(jnp.ones(3), start, xs)
+    assert "# st: state (matched by value" in autoflat.show(step)
+    want = (jnp.ones(3), start)
+    for i in range(4):
+        want = jax.jit(tracked)(*want, xs[i])
+    tree_allclose(got, want)

@@ -1,0 +1,284 @@
+"""One step's data flow, read off its jaxpr: where each return position's arrays come from.
+
+`flows` traces one step (each argument as its role gives it, as `abstract.eval_one_step`
+does) and walks the jaxpr (`_walk`), into the jaxprs that calls hold: per return position, a
+`Flow` of the parameters its arrays are computed from, those whose own arrays the last
+operation making it takes (`p - lr * g`, `total + loss`), per leaf the parameter it is an own
+leaf of (given back as it came, through casts and reshapes), and the parameters it is
+computed from other than through reductions alone (`Flow.smooth`). Computed-from is an
+over-approximation: every output of an operation counts as computed from all of its inputs.
+State matching reads it (`matching`, `hazards`, `scalars`, `infer`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .. import _jax
+from .._transport.structure import is_array
+from .abstract import arguments, one_step_call, traced_on_failure
+from .options import Role
+
+
+class Flow(NamedTuple):
+    """Where one return position's arrays come from (`flows`): the parameters they are
+    computed from, those whose own arrays are operands of the last operation making them,
+    and per leaf (in `tree_leaves` order) the parameters that leaf is computed from, the
+    parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None, and
+    the parameters it is computed from other than through a reduction alone (`smooth`: a
+    mean or a norm of something computed from `mu` is not; `0.9 * ema + 0.1 * loss` is
+    from `ema`)."""
+
+    sources: frozenset[str]
+    direct: frozenset[str]
+    leaves: tuple[frozenset[str], ...]
+    owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
+    smooth: tuple[frozenset[str], ...] = ()
+
+
+# The operations that accumulate, their first operand the running value (`flows_traced`,
+# `flows(additions=True)`).
+ADDITIONS = frozenset({"add", "sub", "add_any"})
+SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
+
+
+def flows(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    additions: bool = False,
+) -> list[Flow]:
+    """For each return position (`split` of one step's value), its `Flow`: the parameters
+    its arrays are computed from, and those whose own arrays are operands of the last
+    operation making them (`p + u`; with `additions`, only where that operation is an
+    addition), read off the step's jaxpr. Computed-from is an over-approximation: every
+    output of an operation counts as computed from all of its inputs."""
+    last = ADDITIONS if additions else None
+    attempt = functools.partial(_flows, fn, params, values, roles, num_steps, split, last=last)
+    return traced_on_failure(attempt, values, roles)
+
+
+def flows_traced(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    numbers: frozenset[str],
+    last: frozenset[str] = ADDITIONS,
+) -> list[Flow] | None:
+    """`flows`, with the parameters `numbers` (Python numbers, static with num_steps > 1)
+    traced as `jax.jit` traces them, and only additions (`total + loss`, `total - x`; or
+    the operations `last`) counted as the last operation taking a parameter's own leaf (a
+    product, `loss * scale`, is not an accumulation); None if the step needs one of them
+    concrete."""
+    roles = {**roles, **dict.fromkeys(numbers, "broadcast")}
+    try:
+        return _flows(fn, params, values, roles, num_steps, split, numbers, last)
+    except Exception:
+        return None
+
+
+def _flows(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    split: Callable[[Any], list[Any]],
+    scalars: frozenset[str],
+    last: frozenset[str] | None = None,
+) -> list[Flow]:
+    """`flows` once, with the Python numbers of the parameters `scalars` traced (and, given
+    `last`, only operations of those names counted as the last one taking an operand)."""
+    parts, call = one_step_call(fn, params, values, roles, num_steps, scalars)
+    kinds: list[list[bool]] = []  # per position, per leaf: traced (else a constant)
+
+    def one_step(arrays: list[list[Any]]) -> Any:
+        args = arguments(parts, arrays)
+        outs = []
+        for item in split(call(args)):
+            leaves = jax.tree_util.tree_leaves(item)
+            kinds.append([_jax.is_tracer(x) for x in leaves])
+            outs += [x for x in leaves if _jax.is_tracer(x)]
+        return outs
+
+    inputs = [[] if rebuild is None else a for rebuild, a in parts]
+    jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
+    seeds = [
+        _Var(frozenset({p}), root=p, smooth=frozenset({p}))
+        for p, a in zip(params, inputs, strict=True)
+        for _ in a
+    ]
+    walked = _walk(jaxpr, seeds, last)
+    result = []
+    at = 0
+    for traced in kinds:
+        span = range(at, at + sum(traced))
+        at += len(span)
+        index = iter(span)
+        at_leaf = [next(index) if t else None for t in traced]
+        result.append(
+            Flow(
+                _NONE.union(*(walked[i].sources for i in span)),
+                _NONE.union(*(walked[i].direct | _own(walked[i].root) for i in span)),
+                tuple(_NONE if i is None else walked[i].sources for i in at_leaf),
+                tuple(None if i is None else walked[i].root for i in at_leaf),
+                tuple(_NONE if i is None else walked[i].smooth for i in at_leaf),
+            )
+        )
+    return result
+
+
+def scalar_container(value: Any) -> bool:
+    """Whether a value is a container of scalar arrays only (`(count, total)`, `(mu, sd)`)."""
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return (
+        bool(leaves)
+        and not jax.tree_util.treedef_is_leaf(treedef)
+        and all(is_array(x) and not np.shape(x) for x in leaves)
+    )
+
+
+_NONE: frozenset[str] = frozenset()
+
+
+def _own(root: str | None) -> frozenset[str]:
+    return _NONE if root is None else frozenset({root})
+
+
+class _Var(NamedTuple):
+    """What `_walk` knows of one variable of a jaxpr: the parameters it is computed from,
+    those whose own leaves the operation making it takes, the parameter it is the own leaf
+    of (through casts and reshapes), the parameters it is computed from other than through
+    reductions alone (`Flow.smooth`), and of those, the ones spread over more elements by a
+    broadcast on the way (`mu` in `x - mu`): what a reduction then reduces."""
+
+    sources: frozenset[str] = _NONE
+    direct: frozenset[str] = _NONE
+    root: str | None = None
+    smooth: frozenset[str] = _NONE
+    spread: frozenset[str] = _NONE
+
+
+_LITERAL = _Var()
+
+
+def _walk(jaxpr: Any, ins: list[_Var], last: frozenset[str] | None = None) -> list[_Var]:
+    """Per output of `jaxpr`, given what is known of its inputs, what is known of it
+    (`_Var`). Every output of an operation counts as computed from all of its inputs. A call
+    of a jaxpr (a `jax.jit`-ed helper, a custom derivative, a remat, a scan's body) is walked
+    into, and a `cond`'s branches (`_branches`); another operation holding jaxprs (a while
+    loop) takes no operand directly and reduces none. Given `last` (additions), only an
+    operation of those names takes an operand directly, and only its first."""
+    known = {v: x._replace(direct=_NONE) for v, x in zip(_jax.inputs(jaxpr), ins, strict=True)}
+
+    def get(v: Any) -> _Var:
+        return _LITERAL if _jax.is_literal(v) else known.get(v, _LITERAL)
+
+    for eqn in _jax.equations(jaxpr):
+        got = [get(v) for v in _jax.inputs(eqn)]
+        inner = _jax.called_jaxpr(eqn)
+        branches = _jax.branches(eqn)
+        if inner is not None:
+            outs = _walk(inner, got, last)
+        elif branches:
+            outs = _branches(branches, got, last)
+        else:
+            outs = _operation(eqn, got, last)
+        known.update(zip(_jax.outputs(eqn), outs, strict=True))
+    return [get(v) for v in _jax.outputs(jaxpr)]
+
+
+def _branches(branches: list[Any], got: list[_Var], last: frozenset[str] | None) -> list[_Var]:
+    """A `cond`'s outputs: computed from what the index and some branch computes them from;
+    no operand taken directly, and no own leaf (as before the branches were walked)."""
+    index, operands = got[0], got[1:]
+    walked = [_walk(branch, operands, last) for branch in branches]
+    return [
+        _Var(
+            index.sources.union(*(x.sources for x in per)),
+            smooth=index.smooth.union(*(x.smooth for x in per)),
+            spread=index.spread.union(*(x.spread for x in per)),
+        )
+        for per in zip(*walked, strict=True)
+    ]
+
+
+def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_Var]:
+    """The outputs of one operation that holds no jaxpr it calls (`_walk`)."""
+    ins = [(v, x) for v, x in zip(_jax.inputs(eqn), got, strict=True) if not _jax.is_literal(v)]
+    if last is None:
+        operands = [] if _jax.holds_jaxprs(eqn) else [x for _, x in ins]
+    else:
+        # An accumulation's own value is its first operand (`total + loss`, `t - 1`):
+        # `loss + beta` and `loss - f_star` do not accumulate `beta` or `f_star`.
+        first = list(_jax.inputs(eqn)[:1])
+        takes = _jax.name(eqn) in last and first and not _jax.is_literal(first[0])
+        operands = got[:1] if takes else []
+    through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1
+    smooth, spread = _reduced(eqn, ins)
+    out = _Var(
+        _NONE.union(*(x.sources for _, x in ins)),
+        frozenset(x.root for x in operands if x.root is not None),
+        ins[0][1].root if through else None,
+        smooth,
+        spread,
+    )
+    return [out] * len(_jax.outputs(eqn))
+
+
+def _reduced(eqn: Any, ins: list[tuple[Any, _Var]]) -> tuple[frozenset[str], frozenset[str]]:
+    """(smooth, spread) of an operation's outputs (`_Var`): a reduction of an operand
+    (`_REDUCTIONS`, to fewer elements) drops what was spread over it (the loss of a batch
+    normalised by `mu`), not what was stacked into it (`jnp.min(jnp.stack([best, loss]))`);
+    an operation giving more elements than an operand has spreads that operand (`x - mu`,
+    a broadcast), unless it places it among others (`_PLACES`: a concatenate)."""
+    name, size_out = _jax.name(eqn), _size(_jax.out_aval(eqn))
+    smooth: set[str] = set()
+    spread: set[str] = set()
+    for v, x in ins:
+        size_in = _size(_jax.var_aval(v))
+        if name in _REDUCTIONS and size_in > size_out:
+            smooth |= x.smooth - x.spread
+            spread |= x.spread if size_out > 1 else _NONE
+        else:
+            smooth |= x.smooth
+            spreads = size_out > size_in and name not in _PLACES
+            spread |= x.spread | (x.smooth if spreads else _NONE)
+    return frozenset(smooth), frozenset(spread)
+
+
+# Operations that reduce an operand with more elements than their output (`Flow.smooth`):
+# a sum, a mean, a norm; `x @ w` of vectors, a convolution's window (`w @ h` of a matrix and
+# a vector reduces `w`, not `h`). And those that place an operand among others, where a
+# larger output does not spread it (`_reduced`).
+_REDUCTIONS = frozenset(
+    {
+        "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+        "reduce_xor", "argmax", "argmin", "reduce", "dot_general", "conv_general_dilated",
+    }
+)  # fmt: skip
+_PLACES = frozenset(
+    {"concatenate", "stack", "pad", "dynamic_update_slice", "scatter", "scatter-add", "scatter_add"}
+)
+
+
+def _size(aval: Any) -> int:
+    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
+
+
+# Operations that pass a value through (a cast, a copy, a reshape): what they make is still
+# the parameter's own leaf for `flows`.
+_PASS_THROUGH = frozenset(
+    {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
+)
