@@ -192,6 +192,17 @@ def branches(eqn: Any) -> list[Any]:
     return jaxprs_in(eqn.params.get("branches"))
 
 
+def while_loop(eqn: Any) -> tuple[Any, Any, int, int] | None:
+    """A `while`'s (open) condition and body jaxprs and how many of its inputs are their
+    constants: its inputs are the condition's constants, the body's, then the carry; the
+    body takes its constants and the carry and gives the carry, the condition its constants
+    and the carry. None for any other equation."""
+    if eqn.primitive.name != "while":
+        return None
+    (cond,), (body,) = jaxprs_in(eqn.params["cond_jaxpr"]), jaxprs_in(eqn.params["body_jaxpr"])
+    return cond, body, eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+
+
 def called_jaxpr(eqn: Any) -> Any:
     """The (open) jaxpr an equation calls with its own inputs and outputs (`pjit`,
     `closed_call`, `custom_jvp_call`, `custom_vjp_call`, `remat`; a scan's body, whose

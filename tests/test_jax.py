@@ -143,6 +143,22 @@ def test_jaxprs_in_a_cond_s_branches_and_a_callback_inside():
     assert _jax.jaxprs_in(3) == []
 
 
+def test_a_while_loop_s_condition_and_body():
+    closed = jax.make_jaxpr(
+        lambda a, b: jax.lax.while_loop(
+            lambda c: c[0] < b, lambda c: (c[0] + 1.0, c[1] * a), (0.0, a)
+        )
+    )(1.0, 3.0)
+    loop = _eqn(closed, "while")
+    cond, body, n_cond, n_body = _jax.while_loop(loop)
+    assert (n_cond, n_body) == (1, 1)  # b for the condition, a for the body, then the carry
+    assert len(_jax.inputs(loop)) == n_cond + n_body + 2
+    assert len(_jax.inputs(body)) == n_body + 2 and len(_jax.outputs(body)) == 2
+    assert len(_jax.inputs(cond)) == n_cond + 2 and len(_jax.outputs(cond)) == 1
+    assert [_jax.name(e) for e in _jax.equations(body)] == ["add", "mul"]
+    assert _jax.branches(loop) == []
+
+
 def test_custom_derivatives_are_calls():
     @jax.custom_jvp
     def f(x):

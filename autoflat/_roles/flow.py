@@ -177,9 +177,10 @@ def _walk(jaxpr: Any, ins: list[_Var], last: frozenset[str] | None = None) -> li
     """Per output of `jaxpr`, given what is known of its inputs, what is known of it
     (`_Var`). Every output of an operation counts as computed from all of its inputs. A call
     of a jaxpr (a `jax.jit`-ed helper, a custom derivative, a remat, a scan's body) is walked
-    into, and a `cond`'s branches (`_branches`); another operation holding jaxprs (a while
-    loop) takes no operand directly and reduces none. Given `last` (additions), only an
-    operation of those names takes an operand directly, and only its first."""
+    into, and so are a `cond`'s branches (`_branches`) and a while loop's body (`_while`);
+    another operation holding jaxprs takes no operand directly and reduces none. Given
+    `last` (additions), only an operation of those names takes an operand directly, and only
+    its first."""
     known = {v: x._replace(direct=_NONE) for v, x in zip(_jax.inputs(jaxpr), ins, strict=True)}
 
     def get(v: Any) -> _Var:
@@ -189,10 +190,13 @@ def _walk(jaxpr: Any, ins: list[_Var], last: frozenset[str] | None = None) -> li
         got = [get(v) for v in _jax.inputs(eqn)]
         inner = _jax.called_jaxpr(eqn)
         branches = _jax.branches(eqn)
+        loop = _jax.while_loop(eqn)
         if inner is not None:
             outs = _walk(inner, got, last)
         elif branches:
             outs = _branches(branches, got, last)
+        elif loop is not None:
+            outs = _while(loop, got, last)
         else:
             outs = _operation(eqn, got, last)
         known.update(zip(_jax.outputs(eqn), outs, strict=True))
@@ -212,6 +216,39 @@ def _branches(branches: list[Any], got: list[_Var], last: frozenset[str] | None)
         )
         for per in zip(*walked, strict=True)
     ]
+
+
+def _while(
+    loop: tuple[Any, Any, int, int], got: list[_Var], last: frozenset[str] | None
+) -> list[_Var]:
+    """A while loop's outputs: its carry, walked through the body until what is known of it
+    settles (it only grows), joined with what the condition reads (it decides how many times
+    the body runs); no operand taken directly, and no own leaf. A loop that does not settle
+    within `_LOOP_WALKS` walks is taken as computing every output from every input."""
+    cond, body, n_cond, n_body = loop
+    cond_consts, body_consts = got[:n_cond], got[n_cond : n_cond + n_body]
+    carry = [_joined(x) for x in got[n_cond + n_body :]]
+    for _ in range(_LOOP_WALKS):
+        walked = _walk(body, body_consts + carry, last)
+        after = [_joined(a, b) for a, b in zip(carry, walked, strict=True)]
+        if after == carry:
+            (decides,) = _walk(cond, cond_consts + carry, last)
+            return [_joined(x, decides) for x in carry]
+        carry = after
+    return [_joined(*got)] * len(carry)
+
+
+# The walks of a while loop's body after which `_while` stops following its carry.
+_LOOP_WALKS = 8
+
+
+def _joined(*xs: _Var) -> _Var:
+    """What is known of a value computed from all of `xs` (no operand taken directly)."""
+    return _Var(
+        _NONE.union(*(x.sources for x in xs)),
+        smooth=_NONE.union(*(x.smooth for x in xs)),
+        spread=_NONE.union(*(x.spread for x in xs)),
+    )
 
 
 def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_Var]:

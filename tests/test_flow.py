@@ -1,0 +1,61 @@
+"""One step's data flow (`autoflat._roles.flow.flows`), read off its jaxpr: what each return
+position is computed from, through while loops, conds and reductions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from autoflat._roles.flow import flows
+
+
+def _flows(fn, **values):
+    params = tuple(values)
+    return flows(fn, params, values, dict.fromkeys(params, "broadcast"), 1, list)
+
+
+def test_a_while_loop_s_carry_is_followed_through_its_body():
+    """A loop's outputs are computed from what its carry starts from and what the body and
+    the condition read, not from every input of the loop."""
+
+    def f(a, b, c):
+        t, s = jax.lax.while_loop(
+            lambda carry: carry[0] < b, lambda carry: (carry[0] + 1.0, carry[1] * c), (0.0, a)
+        )
+        u, _ = jax.lax.while_loop(
+            lambda carry: carry[1] < 3, lambda carry: (carry[0] * 2.0, carry[1] + 1), (c, 0)
+        )
+        return t, s, u
+
+    t, s, u = _flows(f, a=jnp.float32(1), b=jnp.float32(3), c=jnp.float32(2))
+    assert t.sources == {"b"}  # the count: from the condition's bound alone
+    assert s.sources == {"a", "b", "c"}
+    assert u.sources == {"c"}
+    assert t.owners == s.owners == (None,)
+
+
+def test_a_cond_s_outputs_come_from_its_index_and_their_own_branches():
+    def f(p, a, b):
+        return jax.lax.cond(p > 0, lambda: (a, jnp.float32(0)), lambda: (a * 2, b))
+
+    first, second = _flows(
+        lambda p, a, b: list(f(p, a, b)), p=jnp.float32(1), a=jnp.ones(2), b=jnp.float32(0)
+    )
+    assert first.sources == {"p", "a"}
+    assert second.sources == {"p", "b"}
+
+
+def test_a_reduction_drops_what_was_spread_over_what_it_reduces():
+    """`smooth`: a value computed from a parameter other than only through a reduction of
+    arrays the parameter was spread over (`x - mu`); stacked with others, it stays."""
+
+    def f(mu, x, best, loss):
+        return jnp.mean(x - mu), jnp.min(jnp.stack([best, loss])), jnp.sum(mu * x), mu + 1.0
+
+    normalised, stacked, weighted, shifted = _flows(
+        f, mu=jnp.float32(0), x=jnp.ones(3), best=jnp.float32(9), loss=jnp.float32(1)
+    )
+    assert normalised.sources == {"mu", "x"} and normalised.smooth == ({"x"},)
+    assert stacked.smooth == ({"best", "loss"},)
+    assert weighted.smooth == ({"x"},)
+    assert shifted.smooth == ({"mu"},) and shifted.direct == {"mu"}
