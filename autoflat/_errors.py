@@ -332,6 +332,24 @@ If it is the same every step:
     @autoflat.step(..., static_argnames="{param}")
 """
 
+NUMBER_RENAMED = """\
+`{name}` ({where}): return position {pos} gives back `{returned}`, a Python {type} ({value} at \
+this call, where `{param}` is {old}), at the place `{param}` has among the parameters that \
+could be state, under another name. With num_steps={num_steps}, autoflat cannot tell \
+`{param}`'s new value, carried to the next step, from a number computed from it and given \
+back for each step (a learning rate decayed from `base_lr`, logged). If the next step should \
+start from it:
+
+    @autoflat.step(..., state={{"{param}": {pos}}})
+
+If `{param}` is the same every step (position {pos} is stacked, one value a step):
+
+    @autoflat.step(..., static_argnames="{param}")
+
+(A number given back under its own name or it with `new` or `next`, `new_{param}`, or as its \
+int plus one, is carried without asking.)
+"""
+
 PASSED_THROUGH = """\
 `{name}` ({where}) returns `{param}` by name at return position {pos}, and never assigns \
 `{param}` in the body: that position gives back `{param}` as it came in. Position {pos} is also \

@@ -429,7 +429,10 @@ class _Inference:
         then the candidates by value (`matching.match`)."""
         params, values, carried = self.params, self.values, self._carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
-        found = counters(numbers, values, positions, outs, places, returned.names)
+        found = counters(
+            self.analysis, self.num_steps, numbers, values, positions, outs, places,
+            returned.names,
+        )  # fmt: skip
         found.update(
             accumulated(
                 self.analysis, self._traced(returned), values, self.num_steps, returned.names,

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from .._analysis.analysis import Analysis, Return
-from .._errors import NUMBER_ADDED, OptionError, error
+from .._errors import NUMBER_ADDED, NUMBER_RENAMED, OptionError, error
 from .._handles.writeback import is_mutable_module
 from .abstract import SCALARS, eval_one_step, positions_of
 from .flow import SUMS, Flow
@@ -119,6 +119,8 @@ def scalars_to_array(
 
 
 def counters(
+    analysis: Analysis,
+    num_steps: int,
     numbers: list[str],
     values: dict[str, Any],
     positions: list[int],
@@ -147,12 +149,39 @@ def counters(
 
     found = {p: places[p] for p in numbers if places.get(p, -1) in positions}
     found = {p: pos for p, pos in found.items() if changed(p, pos)}
+    for p, pos in found.items():
+        _refuse_renamed(analysis, p, pos, values[p], outputs[pos], names, num_steps)
     open_ = [pos for pos in positions if pos not in found.values()]
     spots = {p: [pos for pos in open_ if counted(p, pos)] for p in numbers if p not in found}
     for p, at in spots.items():  # (one position, claimed by no other number)
         if len(at) == 1 and sum(at[0] in other for other in spots.values()) == 1:
             found[p] = at[0]
     return found
+
+
+def _refuse_renamed(
+    analysis: Analysis,
+    p: str,
+    pos: int,
+    value: Any,
+    out: Any,
+    names: tuple[str | None, ...],
+    num_steps: int,
+) -> None:
+    """A Python number changed at its place, given back under a name that is neither its
+    own (or it with a word for new) nor another parameter's, and not its int plus one:
+    `lr = base_lr * 0.1 ** (epoch // 30); return params, lr`. Carried, each step would
+    decay the last step's rate again; left static, a counter given back under another name
+    (`count = step * 2`) would restart. Refused, with both fixes."""
+    name = names[pos] if pos < len(names) else None
+    if name is None or name in analysis.param_names or renamed(p, pos, names):
+        return
+    if type(value) is int and out == value + 1:
+        return
+    raise error(
+        OptionError, NUMBER_RENAMED, analysis, param=p, pos=pos, returned=name,
+        type=type(value).__name__, value=out, old=value, num_steps=num_steps,
+    )  # fmt: skip
 
 
 def accumulated(

@@ -3752,3 +3752,48 @@ def test_a_container_of_scalars_is_computed_from_its_own_leaves():
     for i in range(4):
         want = jax.jit(tracked)(*want, xs[i])
     tree_allclose(got, want)
+
+
+@claim(
+    PAGE,
+    "so is a changed number at its place given back under a name neither its own (nor it with `new`/`next`) nor another parameter's, unless it is its int plus one: `lr = base_lr * 0.1 ** (epoch // 30); return params, lr`",
+)
+@claim(
+    PAGE,
+    '| `def update(params, base_lr, epoch, x): lr = base_lr * 0.1 ** (epoch // 30); ... return params, lr`, `num_steps > 1` | an `OptionError`: `base_lr`\'s new value, or a rate computed from it and logged? `state={"base_lr": 1}` or `static_argnames="base_lr"` |',
+)
+def test_a_python_number_changed_at_its_place_under_another_name_is_asked_about():
+    def update(params, base_lr, epoch, x):
+        lr = base_lr * 0.1 ** (epoch // 30)
+        return params - lr * jnp.mean(x) * params, lr
+
+    def counted(w, step, x):  # its int plus one, under another name
+        count = step + 1
+        return w * jnp.mean(x), count
+
+    def decayed(w, lr, x):  # it with `new`
+        new_lr = lr * 0.5
+        return w - new_lr * jnp.mean(x) * w, new_lr
+
+    xs = data(K, 2)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(update, num_steps=K)(jnp.ones(2), 0.1, 30, xs)
+    message = str(e.value)
+    assert "return position 1 gives back `lr`, a Python float" in message
+    assert 'state={"base_lr": 1}' in message and 'static_argnames="base_lr"' in message
+    (want,), (rates,) = jit_loop(lambda p, x: update(p, 0.1, 30, x), (jnp.ones(2),), (xs,), K)
+    step = autoflat.step(update, num_steps=K, static_argnames="base_lr")
+    got, got_rates = step(jnp.ones(2), 0.1, 30, xs)
+    tree_allclose((got, got_rates), (want, rates))
+    state = (jnp.ones(2), 0.1)
+    for i in range(K):
+        state = jax.jit(update, static_argnums=2)(*state, 30, xs[i])
+    step = autoflat.step(update, num_steps=K, state={"base_lr": 1})
+    tree_allclose(step(jnp.ones(2), 0.1, 30, xs), state)
+    for fn, start in ((counted, 0), (decayed, 0.1)):
+        state = (jnp.ones(2), start)
+        for i in range(K):
+            state = jax.jit(fn)(*state, xs[i])
+        step = autoflat.step(fn, num_steps=K)
+        tree_allclose(step(jnp.ones(2), start, xs), state)
+        assert role_line(step, fn.__code__.co_varnames[1]).startswith("state (a Python")
