@@ -2217,3 +2217,33 @@ def test_numbers_gradients_and_carries_read_as_jax_jit_loops_read_them(fn, state
         outs.append([o for pos, o in enumerate(out) if pos not in state.values()])
     want = [args[j] for j in state] + [jnp.stack(o) for o in zip(*outs, strict=True)]
     tree_allclose(list(got), want)
+
+
+def _epoch_then_step(w, epoch, step, x):
+    lr = 0.1 / (1 + step) * 0.5**epoch
+    return w - lr * jnp.mean(x) * w, step + 1
+
+
+def _teacher_epoch_step(w, teacher, epoch, step, x):
+    lr = 0.1 / (1 + step) * 0.5**epoch
+    return w - lr * jnp.mean(x) * (w - teacher), step + 1
+
+
+@pytest.mark.parametrize("epoch", [2, 0])
+def test_a_counter_given_back_at_another_number_s_place_is_its_own(epoch):
+    """`(w, epoch, step, x)` returning `w, step + 1`: the position at `epoch`'s place among
+    the parameters that could be state is `step + 1`, computed from `step` alone. It was
+    taken for `epoch`'s new value (a ShapeError blaming `epoch`, at num_steps > 1), and with
+    `epoch=0` also `step`'s: both ints plus one. Now `step` is carried and `epoch` static,
+    as a loop of `jax.jit` reads them; also where a broadcast teacher shifts the places."""
+    xs = jnp.arange(12.0).reshape(4, 3) / 10
+    for fn, rest in ((_epoch_then_step, ()), (_teacher_epoch_step, (jnp.full(3, 0.5),))):
+        step = autoflat.step(fn, num_steps=4)
+        got = step(jnp.ones(3), *rest, epoch, 0, xs)
+        header = autoflat.show(step)
+        assert "# epoch: static (a Python int" in header
+        assert "# step: state (a Python int that return position 1 gives back changed" in header
+        w, count = jnp.ones(3), 0
+        for i in range(4):
+            w, count = jax.jit(fn, static_argnums=len(rest) + 1)(w, *rest, epoch, count, xs[i])
+        tree_allclose(got, (w, count))

@@ -430,8 +430,8 @@ class _Inference:
         params, values, carried = self.params, self.values, self._carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
         found = counters(
-            self.analysis, self.num_steps, numbers, values, positions, outs, places,
-            returned.names,
+            self.analysis, self._traced(returned), self.num_steps, numbers, values, positions,
+            outs, places, returned.names,
         )  # fmt: skip
         found.update(
             accumulated(

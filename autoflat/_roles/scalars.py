@@ -120,6 +120,7 @@ def scalars_to_array(
 
 def counters(
     analysis: Analysis,
+    trace: Callable[..., list[Flow] | None],
     num_steps: int,
     numbers: list[str],
     values: dict[str, Any],
@@ -137,11 +138,19 @@ def counters(
     such value (a broadcast teacher before it among the parameters shifted it), the one
     open position giving back its int plus one (`step + 1`) or a changed number under its
     name (`step = step + 1; return params, step`): a metric made from a static number
-    (`epoch // 10 + 1`, `x.shape[0] * n_devices`) is neither."""
+    (`epoch // 10 + 1`, `x.shape[0] * n_devices`) is neither. An expression counts for a
+    number only if it is computed from it, read off the step traced with the numbers
+    traced (`trace`): `step + 1` at the place of an `epoch` before `step` is `step`'s."""
+    traced = functools.cache(lambda: trace(frozenset(numbers)))
 
     def changed(p: str, pos: int) -> bool:
         out = outputs[pos]
-        return type(out) is type(values[p]) and out != values[p]
+        if type(out) is not type(values[p]) or out == values[p]:
+            return False
+        if names[pos] if pos < len(names) else None:
+            return True
+        flows = traced()  # (None where the step needs a number concrete: the values decide)
+        return flows is None or p in flows[pos].sources
 
     def counted(p: str, pos: int) -> bool:
         plus_one = type(values[p]) is int and outputs[pos] == values[p] + 1

@@ -3797,3 +3797,23 @@ def test_a_python_number_changed_at_its_place_under_another_name_is_asked_about(
         step = autoflat.step(fn, num_steps=K)
         tree_allclose(step(jnp.ones(2), start, xs), state)
         assert role_line(step, fn.__code__.co_varnames[1]).startswith("state (a Python")
+
+
+@claim(
+    PAGE,
+    "an expression there counts for the number only if computed from it, so `step + 1` at the place of an `epoch` before `step` is `step`'s",
+)
+def test_an_expression_at_a_number_s_place_counts_only_for_what_it_is_computed_from():
+    def update(w, epoch, step, x):
+        lr = 0.1 / (1 + step) * 0.5**epoch
+        return w - lr * jnp.mean(x) * w, step + 1
+
+    xs = data(K, 2)
+    step = autoflat.step(update, num_steps=K)
+    got = step(jnp.ones(2), 2, 0, xs)
+    assert role_line(step, "epoch").startswith("static (a Python int")
+    assert role_line(step, "step").startswith("state (a Python int")
+    want = (jnp.ones(2), 0)
+    for i in range(K):
+        want = jax.jit(update, static_argnums=1)(want[0], 2, want[1], xs[i])
+    tree_allclose(got, want)
