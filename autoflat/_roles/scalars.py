@@ -147,8 +147,8 @@ def counters(
         out = outputs[pos]
         if type(out) is not type(values[p]) or out == values[p]:
             return False
-        if names[pos] if pos < len(names) else None:
-            return True
+        if pos < len(names) and names[pos] is not None:
+            return True  # (under a name: `_refuse_renamed` or `renamed` decide)
         flows = traced()  # (None where the step needs a number concrete: the values decide)
         return flows is None or p in flows[pos].sources
 
@@ -180,8 +180,8 @@ def _refuse_renamed(
     """A Python number changed at its place, given back under a name that is neither its
     own (or it with a word for new) nor another parameter's, and not its int plus one:
     `lr = base_lr * 0.1 ** (epoch // 30); return params, lr`. Carried, each step would
-    decay the last step's rate again; left static, a counter given back under another name
-    (`count = step * 2`) would restart. Refused, with both fixes."""
+    decay the last step's rate again; left static, a count given back under another name
+    (`t = step + 2`) would restart every call. Refused, with both fixes."""
     name = names[pos] if pos < len(names) else None
     if name is None or name in analysis.param_names or renamed(p, pos, names):
         return
