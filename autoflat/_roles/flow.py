@@ -38,7 +38,7 @@ class Flow(NamedTuple):
     direct: frozenset[str]
     leaves: tuple[frozenset[str], ...]
     owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
-    smooth: tuple[frozenset[str], ...] = ()
+    smooth: tuple[frozenset[str], ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,

@@ -165,7 +165,7 @@ def bare_at_place(
     if linked(p, pos, flow, names):
         return [pos]
     sources = flow()[pos].sources
-    name = names[pos] if pos < len(names) else None
+    name = name_at(names, pos)
     returned = f"`{name}`" if name is not None else "an expression"
     link = (
         f"It is computed from `{p}`, but neither its name nor its last operation says it is "
@@ -212,7 +212,7 @@ def _reordered(
     if there and new_value(there[0], pos):
         state[there[0]] = pos  # swapped
     shown = ", ".join(f'"{q}": {at}' for q, at in state.items())
-    name = names[j] if j < len(names) and names[j] is not None else "an expression"
+    name = name_at(names, j) or "an expression"
     return (
         f"\nReturn position {j} (`{name}`) is computed from `{p}` and looks like its new "
         f"value: if it is (the returns in another order than the parameters), say "
@@ -233,21 +233,27 @@ def linked(
     here = flow()[pos]
     if p in here.direct or named_after(p, pos, names):
         return True
-    return (names[pos] if pos < len(names) else None) is None and p in here.sources
+    return name_at(names, pos) is None and p in here.sources
 
 
 def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     """Whether return position `pos` is a name that shares a word with `p` (`new_v`, `v2`,
     `loss` for `prev_loss`): the step's own words for `p`'s new value."""
-    name = names[pos] if pos < len(names) else None
+    name = name_at(names, pos)
     return name is not None and bool(_words(name) & _words(p))
+
+
+def name_at(names: tuple[str | None, ...], pos: int) -> str | None:
+    """The name a `return` gives back at position `pos`, or None (an expression, or no such
+    position)."""
+    return names[pos] if pos < len(names) else None
 
 
 def renamed(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     """Whether return position `pos` is `p`'s own name, or it with a word for new (`new_ema`,
     `ema_next`, `ema2` for `ema`): stricter than `named_after`, where a shared word alone
     (`loss` for `loss_weight`, `distill_loss` for `distill_weight`) says nothing."""
-    name = names[pos] if pos < len(names) else None
+    name = name_at(names, pos)
     if name is None:
         return False
     words = [w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW]

@@ -21,7 +21,7 @@ from .._errors import NUMBER_ADDED, NUMBER_RENAMED, OptionError, error
 from .._handles.writeback import is_mutable_module
 from .abstract import SCALARS, eval_one_step, positions_of
 from .flow import SUMS, Flow
-from .matching import renamed
+from .matching import name_at, renamed
 from .options import Role
 from .roles import Roles
 
@@ -147,7 +147,7 @@ def counters(
         out = outputs[pos]
         if type(out) is not type(values[p]) or out == values[p]:
             return False
-        if pos < len(names) and names[pos] is not None:
+        if name_at(names, pos) is not None:
             return True  # (under a name: `_refuse_renamed` or `renamed` decide)
         flows = traced()  # (None where the step needs a number concrete: the values decide)
         return flows is None or p in flows[pos].sources
@@ -182,7 +182,7 @@ def _refuse_renamed(
     `lr = base_lr * 0.1 ** (epoch // 30); return params, lr`. Carried, each step would
     decay the last step's rate again; left static, a count given back under another name
     (`t = step + 2`) would restart every call. Refused, with both fixes."""
-    name = names[pos] if pos < len(names) else None
+    name = name_at(names, pos)
     if name is None or name in analysis.param_names or renamed(p, pos, names):
         return
     if type(value) is int and out == value + 1:
