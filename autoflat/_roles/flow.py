@@ -7,7 +7,7 @@ operation making it takes (`p - lr * g`, `total + loss`), per leaf the parameter
 leaf of (given back as it came, through casts and reshapes), and the parameters it is
 computed from other than through reductions alone (`Flow.smooth`). Computed-from is an
 over-approximation: every output of an operation counts as computed from all of its inputs.
-State matching reads it (`matching`, `hazards`, `scalars`, `infer`).
+State matching reads it (`matching`, `state_hazards`, `scalars`, `infer`).
 """
 
 from __future__ import annotations

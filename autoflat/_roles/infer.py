@@ -67,15 +67,9 @@ from .flow import Flow, flows, flows_traced
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
-    check_state_at,
     check_written_per_step,
-    has_named_parts,
     leading_axis_error,
     raise_leading_axis_errors,
-    refuse_changed_type,
-    refuse_nested_state,
-    refuse_passed_through,
-    refuse_unlinked,
 )
 from .options import Options, Role
 from .roles import Roles, assign_roles
@@ -91,6 +85,14 @@ from .rules import (
     returned_by_name,
 )
 from .scalars import accumulated, counters, scalars_to_array, settle_scalars
+from .state_hazards import (
+    check_state_at,
+    has_named_parts,
+    refuse_changed_type,
+    refuse_nested_state,
+    refuse_passed_through,
+    refuse_unlinked,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,9 +491,9 @@ class _Inference:
         return set.intersection(*held) if held else set()
 
     def check_matches(self) -> None:
-        """Refuse what matching leaves unsettled (`hazards`): a `state=` position holding its
-        parameter nested, state nested in an output, a per-step argument given back, leading
-        axes no rule settled, declared state nothing matched."""
+        """Refuse what matching leaves unsettled (`hazards`, `state_hazards`): a `state=`
+        position holding its parameter nested, state nested in an output, a per-step
+        argument given back, leading axes no rule settled, declared state nothing matched."""
         analysis, values, num_steps, first = self.analysis, self.values, self.num_steps, self.first
         if self.state_at:
             check_state_at(analysis, values, self.state_at, positions_of(first, self.evaluate()))

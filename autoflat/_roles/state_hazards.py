@@ -1,0 +1,328 @@
+"""Readings of returned state that a first call leaves open, which autoflat will not choose
+between: each is an error naming the option that settles it, since guessed wrong it trains
+silently wrong. All with `num_steps > 1`, where a `lax.scan` carries state.
+
+- **A parameter given back as it came in, at another's place**: `return new, params` for
+  `(params, prev)` with `params` never assigned, and `prev` alike: by name, `params` is
+  carried unchanged; as a `lax.scan` carry, position 0 is the new `params` and `prev` takes
+  the old one. Names `state=` for each.
+- **State returned nested in an output**: `return (params, opt_state), loss` would take both
+  as broadcast inputs, every step starting again from them; `state={"params": 0}` naming
+  such a position.
+- **A container whose new value changes its types** (bfloat16 parameters updated with a
+  float32 rate, a tuple given back as a list): no `lax.scan` carry can.
+- **A container matched to a position by its type alone** (`refuse_unlinked`): a leaf there
+  not computed from it, gradients, or for a container of scalar arrays a leaf computed from
+  it only through a reduction of arrays it was spread over (`Flow.smooth`): clip bounds or
+  input statistics beside a metrics tuple, a teacher beside returned gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._analysis.analysis import Analysis
+from .._errors import (
+    PASSED_THROUGH,
+    STATE_AT_NESTED,
+    STATE_NESTED,
+    STATE_TYPE_CHANGED,
+    STATE_UNLINKED,
+    OptionError,
+    error,
+)
+from .._transport.structure import is_array
+from .abstract import same_value
+from .flow import Flow, scalar_container
+from .matching import names_gradients
+from .options import Options
+
+
+def refuse_passed_through(
+    analysis: Analysis,
+    options: Options,
+    values: dict[str, Any],
+    returned_at: dict[str, int],
+    places: dict[str, int],
+    num_steps: int,
+) -> None:
+    """Refuse a parameter every return gives back by name (rule 2) but that the body never
+    assigns, at a position that is the place of another parameter alike it (see the module
+    doc). `places`: each parameter that could be state with its own return position."""
+    if num_steps == 1:  # each position comes back as the body computed it, either way
+        return
+    at_place = {pos: q for q, pos in places.items()}
+    declared = dict(options.state_at)
+    for p, pos in returned_at.items():
+        other = at_place.get(pos)
+        if (
+            p in analysis.rebound
+            or p in declared
+            or other is None
+            or other == p
+            or other in declared
+            or other in options.explicit
+            or p not in places
+            or not same_value(values[p], values[other])
+        ):
+            continue
+        order = ", ".join(sorted(places, key=places.__getitem__))
+        raise error(
+            OptionError, PASSED_THROUGH, analysis, param=p, pos=pos, other=other,
+            place=places[p], order=order, num_steps=num_steps,
+        )  # fmt: skip
+
+
+def refuse_nested_state(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    positions: list[int],
+    outputs: list[Any],
+    num_steps: int,
+) -> None:
+    """A container argument left broadcast whose value comes back nested inside an output
+    (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
+    value passed in, silently. Refused, with the fix."""
+    for p, pos in _open_containers(values, pending, given_back, positions):
+        path = _nested_path(values[p], outputs[pos], p)
+        if path is not None:
+            raise error(
+                OptionError,
+                STATE_NESTED,
+                analysis,
+                param=p,
+                pos=pos,
+                path=f"[{pos}]{path}",
+                num_steps=num_steps,
+            )
+
+
+def _open_containers(
+    values: dict[str, Any], pending: list[str], given_back: dict[str, int], positions: list[int]
+) -> Iterator[tuple[str, int]]:
+    """Each container argument with arrays that no position gives back, with each open
+    return position (a bare array is matched only at its place, with its data flow)."""
+    taken = set(given_back.values())
+    for p in pending:
+        value = values[p]
+        if p in given_back or not jax.tree_util.tree_leaves(value):
+            continue
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value)):
+            continue
+        for pos in positions:
+            if pos not in taken:
+                yield p, pos
+
+
+def refuse_changed_type(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    positions: list[int],
+    outputs: list[Any],
+    num_steps: int,
+    evidence: Callable[[str, int], bool],
+) -> None:
+    """A container argument left broadcast where an open return position has its leaf
+    shapes, its tree (tuples and lists alike) and evidence of being its new value
+    (`evidence`: `_Inference._new_value_of`), but another dtype (bfloat16 parameters updated
+    with a float32 rate) or container type (a tuple of layers given back as a list): as a
+    `lax.scan` carry it cannot be (its types must stay), and left broadcast every step
+    would restart from the value passed in. Refused, with both fixes."""
+    for p, pos in _open_containers(values, pending, given_back, positions):
+        changed = _type_changed(values[p], outputs[pos])
+        if changed is not None and evidence(p, pos):
+            what, detail, fix = changed
+            raise error(
+                OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
+                detail=detail, fix=fix, num_steps=num_steps,
+            )  # fmt: skip
+
+
+def refuse_unlinked(
+    analysis: Analysis,
+    values: dict[str, Any],
+    by_value: dict[str, int],
+    outputs: list[Any],
+    flow: Callable[[], list[Flow]],
+    named: Callable[[str, int], bool],
+    evidence: Callable[[str, int], bool],
+    gradients: set[int],
+    num_steps: int,
+    per_step: frozenset[str],
+) -> None:
+    """A container matched to a return position by its abstract value alone (rule 3), where
+    some leaf there is not computed from it (nor another argument's leaf as it came, nor
+    made from per-step arguments alone: the input in an RNN carry `(h, x)`, `(h, x / 2)`),
+    or the position returns gradients in every `return` (`gradients`: computed from
+    whatever the loss reads; unless the parameter's name says gradients, `prev_grads`),
+    and nothing else says the position is its new value (`named`: a returned name sharing
+    a word with it, `g` for `prev_g`; for other than gradients, `evidence`: named parts
+    computed from it, an addition taking its own array): the type is all that links them
+    (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
+    returned gradients). Carried, each step would start from what is maybe a metric;
+    broadcast, from a value maybe stale. With num_steps > 1, refused with both fixes. (A
+    bare array matches only at its place, with its own evidence: `matching.bare_at_place`.)"""
+    for p, pos in by_value.items():
+        if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p])):
+            continue
+        if named(p, pos):
+            continue
+        if pos in gradients:
+            if names_gradients(p):  # (`prev_grads` given back the new gradients)
+                continue
+            why = "it holds gradients, computed from whatever the loss reads"
+        else:
+            here = flow()[pos]
+            # (a leaf given back as another argument's leaf came, or made from this step's
+            # inputs alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
+            unlinked = [
+                i
+                for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
+                if p not in sources and owner is None and not (sources and sources <= per_step)
+            ]
+            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(outputs[pos])[0]]
+            if unlinked:
+                at = jax.tree_util.keystr(paths[unlinked[0]])
+                why = f"its leaf at `{at}` is not computed from `{p}`"
+            elif reduced := _only_reduced(p, values[p], here, per_step):
+                at = jax.tree_util.keystr(paths[reduced[0]])
+                why = (
+                    f"its leaf at `{at}` is computed from `{p}` only through a reduction of "
+                    f"arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is"
+                )
+            else:
+                continue
+            if evidence(p, pos):
+                continue
+        raise error(
+            OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
+            num_steps=num_steps,
+        )  # fmt: skip
+
+
+def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> list[int]:
+    """For a container of scalar arrays (`(count, total)`, `(mu, sd)`, `(lr, wd)`), the
+    leaves of its position computed from it only through reductions of arrays it was spread
+    over (`Flow.smooth`): the loss and gradient norm of a step that normalises its inputs by
+    `(mu, sd)`, or whose loss adds `wd * jnp.sum(w**2)`. Scalar state is computed from itself
+    otherwise (`count + 1`, `0.9 * ema + 0.1 * loss`, `jnp.min(jnp.stack([best, loss]))`);
+    a leaf given back as an argument came, or made from per-step arguments alone, is a
+    carry's input."""
+    if not scalar_container(value):
+        return []
+    return [
+        j
+        for j, (sources, owner, smooth) in enumerate(
+            zip(flow.leaves, flow.owners, flow.smooth, strict=True)
+        )
+        if owner is None and not (sources and sources <= per_step) and p not in smooth
+    ]
+
+
+def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
+    """How `out` differs from `value` where it has its leaf shapes (every leaf an array on
+    both sides, as many) but another container type or dtype: (what, where, the fix)."""
+    before = jax.tree_util.tree_flatten_with_path(value)[0]
+    after = jax.tree_util.tree_flatten_with_path(out)[0]
+    if not before or len(before) != len(after) or same_value(value, out):
+        return None
+    for (_, a), (_, b) in zip(before, after, strict=True):
+        if not (is_array(a) and _is_abstract_array(b)) or np.shape(a) != tuple(b.shape):
+            return None
+        if any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in (a, b)):
+            return None  # (a typed PRNG key: matched by its own rules)
+    treedef: Any = jax.tree_util.tree_structure(value)
+    out_treedef = jax.tree_util.tree_structure(out)
+    if treedef != out_treedef:
+        if _skeleton(treedef) != _skeleton(out_treedef):
+            return None  # (another tree: a loss beside a one-leaf dict, a tuple beside a dict)
+        return (
+            "tree structure",
+            f"{_outer(value)} comes back as {_outer(out)}",
+            "the same container types, `tuple(...)` where a list is built",
+        )
+    for (path, a), (_, b) in zip(before, after, strict=True):
+        if np.dtype(a.dtype) != np.dtype(b.dtype):
+            where = jax.tree_util.keystr(path) or "the value"
+            return (
+                "dtypes",
+                f"{where}: {np.dtype(a.dtype).name} comes back as {np.dtype(b.dtype).name}",
+                "each new leaf cast to its old dtype: `jax.tree.map(lambda new, old: "
+                "new.astype(old.dtype), new, old)`",
+            )
+    return None
+
+
+def has_named_parts(value: Any) -> bool:
+    """Whether the tree of `value` has a node other than a tuple or a list: a dict (its
+    keys), a named tuple, a dataclass or a module (its fields)."""
+    return _named(jax.tree_util.tree_structure(value))
+
+
+def _named(treedef: Any) -> bool:
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return False
+    kind, _ = treedef.node_data()
+    if kind not in (tuple, list):
+        return True
+    return any(_named(c) for c in treedef.children())
+
+
+def _skeleton(treedef: Any) -> Any:
+    """A tree structure with tuples, lists and named tuples alike (a sequence of so many
+    children), other nodes (a dict and its keys, a module) as they are."""
+    if jax.tree_util.treedef_is_leaf(treedef):
+        return "*"
+    kind, data = treedef.node_data()
+    if kind in (tuple, list) or (issubclass(kind, tuple) and hasattr(kind, "_fields")):
+        kind, data = "sequence", None
+    return kind, data, tuple(_skeleton(c) for c in treedef.children())
+
+
+def _is_abstract_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _outer(value: Any) -> str:
+    """The tree structure of `value`, briefly: its containers, its leaves as `*`."""
+    text = str(jax.tree_util.tree_structure(value)).removeprefix("PyTreeDef(")
+    text = text[:-1] if text.endswith(")") else text
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_state_at(
+    analysis: Analysis, values: dict[str, Any], state_at: dict[str, int], outputs: list[Any]
+) -> None:
+    """`state={"params": 0}` where return position 0 holds the new `params` inside it
+    (`return (params, opt_state), loss`): the position given is not the value itself. A bare
+    array too (`return (p, opt_state), loss` with `p` one array): the user named that
+    position, so a value like it inside is theirs, where carried it would change the state's
+    structure after one step."""
+    for p, pos in state_at.items():
+        value = values[p]
+        if same_value(value, outputs[pos]):
+            continue
+        path = _nested_path(value, outputs[pos], p)
+        if path is not None:
+            raise error(
+                OptionError, STATE_AT_NESTED, analysis, param=p, pos=pos, path=f"[{pos}]{path}"
+            )
+
+
+def _nested_path(value: Any, out: Any, name: str) -> str | None:
+    """Where inside `out` (not `out` itself) a value like `value` is, if anywhere; of several,
+    one whose path names `name` (`{"params": ..., "ema": ...}` alike)."""
+    found = jax.tree_util.tree_flatten_with_path(
+        out, is_leaf=lambda x: x is not out and same_value(value, x)
+    )[0]
+    paths = [jax.tree_util.keystr(path) for path, sub in found if path and same_value(value, sub)]
+    named = [p for p in paths if f"['{name}']" in p or f".{name}" in p]
+    return next(iter(named or paths), None)
