@@ -59,3 +59,23 @@ def test_a_reduction_drops_what_was_spread_over_what_it_reduces():
     assert stacked.smooth == ({"best", "loss"},)
     assert weighted.smooth == ({"x"},)
     assert shifted.smooth == ({"mu"},) and shifted.direct == {"mu"}
+
+
+def test_an_operation_takes_a_parameter_times_a_constant_as_its_own_leaf():
+    """`direct`: `0.9 * m + 0.1 * g` (an average, as Adam keeps its moments) takes `m`'s own
+    leaf, as `m + g` does; a product with another parameter (`b * m`) or a reciprocal
+    (`2 / m`) is no multiple of `m`."""
+    beta = jnp.float32(0.9)  # (a constant the step closes over)
+
+    def f(m, v, b, g):
+        loss = jnp.sum(g * g)
+        return [0.9 * m + 0.1 * loss, beta * (-v / 2) + loss, b * m + loss, 2.0 / m + loss, v - g]
+
+    ema, scaled, by_param, reciprocal, plain = _flows(
+        f, m=jnp.ones(2), v=jnp.ones(2), b=jnp.float32(0.9), g=jnp.ones(2)
+    )
+    assert ema.direct == {"m"}
+    assert scaled.direct == {"v"}
+    assert by_param.direct == reciprocal.direct == frozenset()
+    assert plain.direct == {"v", "g"}
+    assert ema.owners == (None,)  # (a multiple is computed from `m`, not `m` given back)

@@ -1745,6 +1745,30 @@ def test_returns_in_another_order_than_the_parameters_are_named_in_the_error():
     tree_allclose((p, m, v), want)
 
 
+def _adam_moments(w, m, v, t, x):
+    """Adam by hand as tutorials write it: the moments' new values named `mn`, `vn`."""
+    g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+    mn = 0.9 * m + 0.1 * g
+    vn = 0.999 * v + 0.001 * g * g
+    wn = w - 0.01 * (mn / (1 - 0.9**t)) / (jnp.sqrt(vn / (1 - 0.999**t)) + 1e-8)
+    return wn, mn, vn, t + 1
+
+
+def test_an_average_kept_at_a_parameter_s_place_is_its_new_value():
+    """`mn = 0.9 * m + 0.1 * g` at `m`'s place: an addition taking `m` times a constant, as
+    an average is kept, says it is `m`'s new value as `m + g` would (this was an OptionError
+    asking whether `m` is a learning rate). Equal to `jax.jit` over the steps."""
+    state = (jnp.ones(3), jnp.zeros(3), jnp.zeros(3), jnp.float32(1))
+    xs = _batches(8)
+    step = autoflat.step(_adam_moments, num_steps=K)
+    got, _ = _run(step, state, [xs], 8, K)
+    want, _ = _reference(_adam_moments, state, [xs], 8)
+    tree_allclose(got, want)
+    header = autoflat.show(step)
+    for name, pos in (("m", 1), ("v", 2)):
+        assert f"# {name}: state (matched by value to return position {pos})" in header
+
+
 def _scaled(w, opt_state, x, *, scale=1.0):
     loss = jnp.sum((w * x - 1.0) ** 2) * scale
     return w - 0.01 * x, opt_state + 1.0, loss

@@ -160,14 +160,18 @@ class _Var(NamedTuple):
     """What `_walk` knows of one variable of a jaxpr: the parameters it is computed from,
     those whose own leaves the operation making it takes, the parameter it is the own leaf
     of (through casts and reshapes), the parameters it is computed from other than through
-    reductions alone (`Flow.smooth`), and of those, the ones spread over more elements by a
-    broadcast on the way (`mu` in `x - mu`): what a reduction then reduces."""
+    reductions alone (`Flow.smooth`), of those the ones spread over more elements by a
+    broadcast on the way (`mu` in `x - mu`): what a reduction then reduces, and the
+    parameter it is an own leaf of times a constant (`0.9 * m`, `-v`, `m / 2`): an operation
+    taking it takes that leaf (`0.9 * m + 0.1 * g`, an average kept as Adam keeps its
+    moments)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
     root: str | None = None
     smooth: frozenset[str] = _NONE
     spread: frozenset[str] = _NONE
+    scaled: str | None = None
 
 
 _LITERAL = _Var()
@@ -266,12 +270,30 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
     smooth, spread = _reduced(eqn, ins)
     out = _Var(
         _NONE.union(*(x.sources for _, x in ins)),
-        frozenset(x.root for x in operands if x.root is not None),
+        frozenset(own for x in operands if (own := x.root or x.scaled) is not None),
         ins[0][1].root if through else None,
         smooth,
         spread,
+        ins[0][1].scaled if through else _scaled(eqn, got),
     )
     return [out] * len(_jax.outputs(eqn))
+
+
+def _scaled(eqn: Any, got: list[_Var]) -> str | None:
+    """The parameter whose own leaf (`_Var.root`) an operation's output is a constant
+    multiple of: a product or quotient of it and values computed from no parameter (`0.9 *
+    m`, `m / 2`), or its negation."""
+    name = _jax.name(eqn)
+    varying = [(i, x) for i, x in enumerate(got) if x.sources]
+    if name not in _SCALINGS or len(varying) != 1:
+        return None
+    i, x = varying[0]
+    if name == "div" and i != 0:
+        return None  # (`2 / m` is no multiple of `m`)
+    return x.root or x.scaled
+
+
+_SCALINGS = frozenset({"mul", "div", "neg"})
 
 
 def _reduced(eqn: Any, ins: list[tuple[Any, _Var]]) -> tuple[frozenset[str], frozenset[str]]:

@@ -158,7 +158,8 @@ def bare_at_place(
     rank among the parameters is weak evidence: `(params, opt_state, x, lr)` returning
     `params, opt_state, loss` put `lr` at the loss's place, and at num_steps=4 every step
     trained with the previous loss as its learning rate, silently. So more must agree: the
-    last operation takes `p`'s own array (`w - lr * g`, `step + 1`), or the returned name
+    last operation takes `p`'s own array, or it times a constant (`w - lr * g`, `step + 1`,
+    `mn = 0.9 * m + 0.1 * g`), or the returned name
     shares a word with `p` (`new_v`, `v2`, `loss` for `prev_loss`), or the return is an
     expression computed from `p` (`0.9 * v + g`). Else nothing tells a learning rate beside
     a loss from a previous loss overwritten every step: the user says which."""

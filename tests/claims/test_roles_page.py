@@ -1596,7 +1596,7 @@ def _jitted_helper(w, m, x):
 
 @claim(
     PAGE,
-    "the last operation making the position takes its array (`w - lr * g`, `step + 1`; the step's data flow, read into `jax.jit`-ed helpers)",
+    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers)",
 )
 def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
     def sgd(w, lr, x):
@@ -1613,11 +1613,17 @@ def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
         a, b = _jitted_helper(w, m, x)
         return a, b
 
+    def averaged(w, m, x):
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        mn = 0.9 * m + 0.1 * g
+        return w - 0.1 * mn, mn
+
     xs = data(8, 3)
     cases = (
         (sgd, (jnp.zeros(3),), (0.1,), {"w": 0}),  # a Python float lr: static
         (counted, (jnp.zeros(3), jnp.zeros((), jnp.int32)), (), {"w": 0, "step": 1}),
         (helped, (jnp.zeros(3), jnp.zeros(3)), (), {"w": 0, "m": 1}),
+        (averaged, (jnp.zeros(3), jnp.zeros(3)), (), {"w": 0, "m": 1}),
     )
     for fn, start, rest, matched in cases:
         if fn is sgd:  # lr between the state and the per-step input
@@ -1646,7 +1652,7 @@ def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
 
 @claim(PAGE, "or the returned name shares a word with it (`new_v`, `v2`, `loss` for `prev_loss`)")
 def test_a_bare_array_whose_returned_name_shares_a_word_is_matched():
-    def halved(v, x):  # shape (3,): v2 is not computed by an operation taking v's array
+    def halved(v, x):  # shape (3,): `v2` shares a word with `v`
         v2 = v * 0.5 + x.sum()
         return v2
 
