@@ -79,3 +79,29 @@ def test_an_operation_takes_a_parameter_times_a_constant_as_its_own_leaf():
     assert by_param.direct == reciprocal.direct == frozenset()
     assert plain.direct == {"v", "g"}
     assert ema.owners == (None,)  # (a multiple is computed from `m`, not `m` given back)
+
+
+def test_a_sum_s_weights_are_a_parameter_s_leaf_times_a_value_computed_from_others():
+    """`weighted`: `alpha * kd` in a sum, `loss / scale`, through a mean; not `0.9 * ema`,
+    a leaf times a select between constants, nor a leaf normalised by a sum taking it."""
+
+    def f(alpha, ema, scale, x):
+        kd = jnp.mean(x**2)
+        finite = jnp.isfinite(kd)
+        return [
+            alpha * kd + (1 - alpha) * jnp.mean(x),
+            jnp.mean(x / scale),
+            0.9 * ema + 0.1 * kd,
+            scale * jnp.where(finite, 2.0, 0.5),
+            ema / (ema + kd),
+        ]
+
+    weighed, over, average, stepped, normalised = _flows(
+        f, alpha=jnp.float32(0.5), ema=jnp.float32(0), scale=jnp.float32(2), x=jnp.ones(3)
+    )
+    assert [{(w.param, w.by) for w in ws} for ws in weighed.weighted] == [
+        {("alpha", frozenset({"x"}))}
+    ]
+    assert [{w.param for w in ws} for ws in over.weighted] == [{"scale", "x"}]  # (each)
+    assert average.weighted == stepped.weighted == normalised.weighted == (frozenset(),)
+    assert stepped.direct == {"scale"}  # (a leaf times constants the data picks between)

@@ -2024,6 +2024,69 @@ def _guarded(w, hp, x, y):  # (an update skipped on a non-finite loss)
     return w, metrics
 
 
+def _hinton(w, hp, x, y):  # (knowledge distillation, its weight and temperature as arrays)
+    alpha, temp = hp
+    teacher = x @ jnp.ones(3)
+
+    def full(w):
+        s = x @ w
+        kd = jnp.mean((jax.nn.sigmoid(s / temp) - jax.nn.sigmoid(teacher / temp)) ** 2)
+        return alpha * kd + (1 - alpha) * jnp.mean((s - y) ** 2), kd
+
+    (loss, kd), g = jax.value_and_grad(full, has_aux=True)(w)
+    return w - 0.1 * g, (loss, kd * temp**2)
+
+
+def _weighted_terms(w, hp, x, y):  # (a VAE's reconstruction and KL weights)
+    w_rec, w_kl = hp
+    mse, kl = jnp.mean((x @ w - y) ** 2), jnp.sum(w**2)
+    g = jax.grad(lambda w: w_rec * jnp.mean((x @ w - y) ** 2) + w_kl * jnp.sum(w**2))(w)
+    return w - 0.1 * g, (w_rec * mse, w_kl * kl)
+
+
+def _unscaled(w, hp, x, y):  # (a static loss scale and a clipping norm)
+    loss_scale, max_norm = hp
+    scaled, g = jax.value_and_grad(lambda w: loss_scale * jnp.mean((x @ w - y) ** 2))(w)
+    g = g / loss_scale
+    factor = jnp.minimum(1.0, max_norm / jnp.sqrt(jnp.sum(g**2)))
+    return w - 0.1 * g * factor, (scaled / loss_scale, factor)
+
+
+def _denormalised(w, st, x, y):  # (targets standardised by fixed statistics)
+    y_mean, y_std = st
+    _, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - (y - y_mean) / y_std) ** 2))(w)
+    pred = x @ w
+    return w - 0.1 * g, (jnp.mean(pred) * y_std + y_mean, jnp.std(pred) * y_std)
+
+
+def _decay_logged(w, hp, x, y):
+    wd, lr = hp
+    mse, reg = jnp.mean((x @ w - y) ** 2), jnp.sum(w**2)
+    g = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2) + wd * jnp.sum(w**2))(w)
+    return w - lr * g, (mse + wd * reg, lr)
+
+
+def _ema_by(w, ema, x, y, decay=jnp.float32(0.9)):  # (the decay an array)
+    loss, g = _scalar_loss(w, x, y)
+    new = (ema[0] * decay + loss * (1 - decay), ema[1] * decay + jnp.sum(g**2) * (1 - decay))
+    return w - 0.1 * g, new
+
+
+def _running_mean(w, st, x, y):
+    n, mean = st
+    loss, g = _scalar_loss(w, x, y)
+    n = n + 1.0
+    return w - 0.1 * g, (n, mean * (n - 1) / n + loss / n)
+
+
+def _scale_times(w, ls, x, y):  # (a dynamic loss scale, multiplied up or down)
+    scale, good = ls
+    g = jax.grad(lambda w: scale * jnp.mean((x @ w - y) ** 2))(w) / scale
+    finite = jnp.all(jnp.isfinite(g))
+    return w - 0.1 * g, (scale * jnp.where(finite, 2.0, 0.5), jnp.where(finite, good + 1, 0.0))
+
+
+_WEIGHS = "sums a leaf of `{}` times a value computed from the step's other arguments"
 _SCALARS_XS = jax.random.normal(jax.random.key(2), (4, 8, 3))
 _SCALARS_YS = jax.random.normal(jax.random.key(3), (4, 8))
 
@@ -2051,6 +2114,11 @@ def _jit_loop(fn, w, st, broadcast=False):
         (_projected, "bounds", "[0]` is computed from `bounds` only through a reduction", (-1, 1)),
         (_decayed, "hp", "[1]` is computed from `hp` only through a reduction", (0.1, 0.01)),
         (_guarded, "hp", "[0]` is not computed from `hp`", (0.1, 0.5)),
+        (_hinton, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.9, 2.0)),
+        (_weighted_terms, "hp", f"[0]` {_WEIGHS.format('hp')}", (1.0, 0.1)),
+        (_unscaled, "hp", f"[0]` {_WEIGHS.format('hp')}", (2.0**8, 1.0)),
+        (_denormalised, "st", f"[0]` {_WEIGHS.format('st')}", (0.5, 2.0)),
+        (_decay_logged, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.01, 0.1)),
     ],
 )
 def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_about(
@@ -2060,8 +2128,11 @@ def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_a
     computed from the tuple only through a mean or a norm over arrays it was spread over
     (input statistics `(mu, sd)`, projection bounds applied before the loss, the gradient
     norm beside `(lr, wd)` with the weight decay in the loss), or not at all from a `cond`'s
-    branches: carried as the metrics at num_steps > 1, silently wrong. Now an error naming
-    the leaf and both fixes; `broadcast=` equals `jax.jit`."""
+    branches, or sums one of its leaves times a loss or other value of the step (Hinton
+    distillation's `alpha * kd` beside `(alpha, T)`, loss weights, a loss unscaled by its
+    scale, predictions denormalised, a logged weight decay term): carried as the metrics at
+    num_steps > 1, silently wrong. Now an error naming the leaf and both fixes;
+    `broadcast=` equals `jax.jit`."""
     w0, start = jnp.ones(3), tuple(jnp.float32(v) for v in start)
     with pytest.raises(autoflat.OptionError) as e:
         autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
@@ -2086,6 +2157,9 @@ def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_a
         (_stacked_best, (jnp.float32(9.0), jnp.float32(0.0))),
         (_debiased, (jnp.float32(0.0), jnp.float32(0.0), jnp.float32(1.0))),
         (_scheduled, (jnp.int32(0), jnp.float32(0.1))),
+        (_ema_by, (jnp.float32(1.0), jnp.float32(2.0))),
+        (_running_mean, (jnp.float32(0.0), jnp.float32(0.0))),
+        (_scale_times, (jnp.float32(2.0**8), jnp.float32(0.0))),
     ],
 )
 def test_scalar_state_computed_from_itself_is_carried(fn, start):
@@ -2093,8 +2167,10 @@ def test_scalar_state_computed_from_itself_is_carried(fn, start):
     best loss and patience, Welford's running moments, a dynamic loss scale, shares of a
     total, counters summed in the step's own `lax.scan`, a minimum or a logsumexp over a
     stack of the old value and the loss), or from another leaf's new value (a stop flag, a
-    debiased EMA, a learning rate scheduled on optax's count), is still matched by value and
-    carried: equal to a loop of `jax.jit` over four steps."""
+    debiased EMA, a learning rate scheduled on optax's count), or times constants or its own
+    other leaves (an EMA whose decay is an array, a running mean `mean * (n - 1) / n`, a
+    loss scale times `jnp.where(finite, 2.0, 0.5)`), is still matched by value and carried:
+    equal to a loop of `jax.jit` over four steps."""
     w0 = jnp.ones(3)
     step = autoflat.step(fn, num_steps=4)
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)

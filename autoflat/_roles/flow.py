@@ -29,16 +29,17 @@ class Flow(NamedTuple):
     """Where one return position's arrays come from (`flows`): the parameters they are
     computed from, those whose own arrays are operands of the last operation making them,
     and per leaf (in `tree_leaves` order) the parameters that leaf is computed from, the
-    parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None, and
-    the parameters it is computed from other than through a reduction alone (`smooth`: a
+    parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None, the
+    parameters it is computed from other than through a reduction alone (`smooth`: a
     mean or a norm of something computed from `mu` is not; `0.9 * ema + 0.1 * loss` is
-    from `ema`)."""
+    from `ema`), and the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`)."""
 
     sources: frozenset[str]
     direct: frozenset[str]
     leaves: tuple[frozenset[str], ...]
     owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
     smooth: tuple[frozenset[str], ...]
+    weighted: tuple[frozenset[Weight], ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -134,6 +135,7 @@ def _flows(
                 tuple(_NONE if i is None else walked[i].sources for i in at_leaf),
                 tuple(None if i is None else walked[i].root for i in at_leaf),
                 tuple(_NONE if i is None else walked[i].smooth for i in at_leaf),
+                tuple(frozenset() if i is None else walked[i].weighted for i in at_leaf),
             )
         )
     return result
@@ -156,15 +158,26 @@ def _own(root: str | None) -> frozenset[str]:
     return _NONE if root is None else frozenset({root})
 
 
+class Weight(NamedTuple):
+    """A term of a sum that is a parameter's own leaf times, or over, a value computed from
+    others (`alpha * kd`, `loss / scale`, `max_norm / gnorm`): how a hyperparameter weighs
+    a loss, where a running value is kept otherwise (`0.9 * ema + 0.1 * loss`)."""
+
+    param: str
+    by: frozenset[str]  # the parameters the value weighed by is computed from
+
+
 class _Var(NamedTuple):
     """What `_walk` knows of one variable of a jaxpr: the parameters it is computed from,
     those whose own leaves the operation making it takes, the parameter it is the own leaf
     of (through casts and reshapes), the parameters it is computed from other than through
     reductions alone (`Flow.smooth`), of those the ones spread over more elements by a
     broadcast on the way (`mu` in `x - mu`): what a reduction then reduces, and the
-    parameter it is an own leaf of times a constant (`0.9 * m`, `-v`, `m / 2`): an operation
-    taking it takes that leaf (`0.9 * m + 0.1 * g`, an average kept as Adam keeps its
-    moments)."""
+    parameter it is an own leaf of times a constant (`0.9 * m`, `-v`, `m / 2`, `lr *
+    jnp.where(better, 1.05, 0.5)`): an operation taking it takes that leaf (`0.9 * m + 0.1 *
+    g`, an average kept as Adam keeps its moments), whether it is one of a few constants that
+    the data only picks between (`stepwise`: `jnp.where(finite, 2.0, 0.5)`), and the weights
+    it sums (`Flow.weighted`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -172,6 +185,8 @@ class _Var(NamedTuple):
     smooth: frozenset[str] = _NONE
     spread: frozenset[str] = _NONE
     scaled: str | None = None
+    stepwise: bool = False
+    weighted: frozenset[Weight] = frozenset()
 
 
 _LITERAL = _Var()
@@ -268,32 +283,99 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         operands = got[:1] if takes else []
     through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1
     smooth, spread = _reduced(eqn, ins)
+    name = _jax.name(eqn)
     out = _Var(
         _NONE.union(*(x.sources for _, x in ins)),
-        frozenset(own for x in operands if (own := x.root or x.scaled) is not None),
+        frozenset(own for x in operands if (own := _own_leaf(x)) is not None),
         ins[0][1].root if through else None,
         smooth,
         spread,
-        ins[0][1].scaled if through else _scaled(eqn, got),
+        _own_leaf(ins[0][1]) if through or _broadcast(name, ins) else _scaled(name, got),
+        _stepwise(name, got),
+        _weighted(name, got),
     )
     return [out] * len(_jax.outputs(eqn))
 
 
-def _scaled(eqn: Any, got: list[_Var]) -> str | None:
-    """The parameter whose own leaf (`_Var.root`) an operation's output is a constant
-    multiple of: a product or quotient of it and values computed from no parameter (`0.9 *
-    m`, `m / 2`), or its negation."""
-    name = _jax.name(eqn)
-    varying = [(i, x) for i, x in enumerate(got) if x.sources]
-    if name not in _SCALINGS or len(varying) != 1:
-        return None
-    i, x = varying[0]
-    if name == "div" and i != 0:
-        return None  # (`2 / m` is no multiple of `m`)
+def _broadcast(name: str, ins: list[tuple[Any, _Var]]) -> bool:
+    return name == "broadcast_in_dim" and len(ins) == 1
+
+
+def _own_leaf(x: _Var) -> str | None:
+    """The parameter whose own leaf `x` is, or is a constant multiple of."""
     return x.root or x.scaled
 
 
+def _fixed(x: _Var) -> bool:
+    """Whether `x` is a constant, or one of a few that the data only picks between."""
+    return not x.sources or x.stepwise
+
+
+def _scaled(name: str, got: list[_Var]) -> str | None:
+    """The parameter whose own leaf (`_Var.root`) an operation's output is a constant
+    multiple of: a product or quotient of it and constants, or values the data only picks
+    between (`0.9 * m`, `m / 2`, `lr * jnp.where(better, 1.05, 0.5)`), or its negation."""
+    if name not in _SCALINGS or not got:
+        return None
+    own = [i for i, x in enumerate(got) if not _fixed(x)]
+    if own == [] and len(got) == 1:
+        own = [0]
+    if len(own) != 1 or (name == "div" and own[0] != 0):
+        return None  # (`2 / m` is no multiple of `m`)
+    return _own_leaf(got[own[0]])
+
+
 _SCALINGS = frozenset({"mul", "div", "neg"})
+
+
+def _stepwise(name: str, got: list[_Var]) -> bool:
+    """Whether an operation computed from some parameter gives one of a few constants that
+    the data only picks between (`_Var.stepwise`): a select between such values (its
+    predicate aside), or arithmetic of them (`jnp.where(finite, 2.0, 0.5) * 0.5`)."""
+    if not any(x.sources for x in got):
+        return False
+    if name == "select_n":
+        return all(_fixed(x) for x in got[1:])
+    return name in _ARITHMETIC and all(_fixed(x) for x in got)
+
+
+_ARITHMETIC = frozenset(
+    {"mul", "div", "add", "sub", "neg", "convert_element_type", "broadcast_in_dim", "reshape"}
+)
+
+
+def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
+    """The weights an operation's output sums (`Flow.weighted`): a product or quotient of a
+    parameter's own leaf and a value computed from others, not taking that leaf (`alpha *
+    kd`; `a / (a + b)` normalises `a`); and those its operands sum, through sums,
+    negations, sums over axes, casts and products with constants."""
+    if name in ("mul", "div") and len(got) == 2:
+        a, b = got
+        found = {
+            Weight(p, other.sources)
+            for own, other in ((a, b), (b, a))
+            if (p := _own_leaf(own)) is not None and not _fixed(other) and not _normalises(other, p)
+        }
+        found |= b.weighted if _fixed(a) else frozenset()
+        found |= a.weighted if _fixed(b) else frozenset()
+        return frozenset(found)
+    if name in _LINEAR:
+        return frozenset().union(*(x.weighted for x in got))
+    return frozenset()
+
+
+def _normalises(x: _Var, p: str) -> bool:
+    """Whether `x` takes `p`'s own leaf other than as a weight (`a + b` over `a`): a leaf
+    normalised (`a / (a + b)`), not weighed; `(scale * loss) / scale` is weighed."""
+    if _own_leaf(x) == p:
+        return True
+    return p in x.direct and not any(w.param == p for w in x.weighted)
+
+
+_LINEAR = frozenset(
+    {"add", "sub", "add_any", "neg", "reduce_sum", "broadcast_in_dim", "convert_element_type",
+     "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
+)  # fmt: skip
 
 
 def _reduced(eqn: Any, ins: list[tuple[Any, _Var]]) -> tuple[frozenset[str], frozenset[str]]:

@@ -507,11 +507,12 @@ class _Inference:
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps, self._new_value_of,
             )  # fmt: skip
+            per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_unlinked(
                 analysis, values, self.by_value, self.outputs, self._flow_of(first),
                 lambda p, pos: _matching.named_after(p, pos, first.names),
-                self._new_value_of, self._only_gradients(), num_steps,
-                frozenset(p for p, role in self.for_eval.items() if role == "scanned"),
+                self._new_value_of, self._only_gradients(), num_steps, per_step,
+                per_step | frozenset(self.given_back()),
             )  # fmt: skip
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]

@@ -13,8 +13,9 @@ silently wrong. All with `num_steps > 1`, where a `lax.scan` carries state.
   float32 rate, a tuple given back as a list): no `lax.scan` carry can.
 - **A container matched to a position by its type alone** (`refuse_unlinked`): a leaf there
   not computed from it, gradients, or for a container of scalar arrays a leaf computed from
-  it only through a reduction of arrays it was spread over (`Flow.smooth`): clip bounds or
-  input statistics beside a metrics tuple, a teacher beside returned gradients.
+  it only through a reduction of arrays it was spread over (`Flow.smooth`), or summing its
+  leaf times a value of the step (`Flow.weighted`: `alpha * kd`): clip bounds, input
+  statistics or loss weights beside a metrics tuple, a teacher beside returned gradients.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def refuse_unlinked(
     gradients: set[int],
     num_steps: int,
     per_step: frozenset[str],
+    varying: frozenset[str],
 ) -> None:
     """A container matched to a return position by its abstract value alone (rule 3), where
     some leaf there is not computed from it (nor another argument's leaf as it came, nor
@@ -167,7 +169,10 @@ def refuse_unlinked(
     a word with it, `g` for `prev_g`; for other than gradients, `evidence`: named parts
     computed from it, an addition taking its own array): the type is all that links them
     (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
-    returned gradients). Carried, each step would start from what is maybe a metric;
+    returned gradients). For a container of scalar arrays also a leaf computed from it only
+    through reductions (`_only_reduced`), or summing one of its leaves as a weight
+    (`_weighs`: named parts alone say otherwise; `varying`, the arguments that change every
+    step). Carried, each step would start from what is maybe a metric;
     broadcast, from a value maybe stale. With num_steps > 1, refused with both fixes. (A
     bare array matches only at its place, with its own evidence: `matching.bare_at_place`.)"""
     for p, pos in by_value.items():
@@ -180,32 +185,49 @@ def refuse_unlinked(
                 continue
             why = "it holds gradients, computed from whatever the loss reads"
         else:
-            here = flow()[pos]
-            # (a leaf given back as another argument's leaf came, or made from this step's
-            # inputs alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
-            unlinked = [
-                i
-                for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
-                if p not in sources and owner is None and not (sources and sources <= per_step)
-            ]
-            paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(outputs[pos])[0]]
-            if unlinked:
-                at = jax.tree_util.keystr(paths[unlinked[0]])
-                why = f"its leaf at `{at}` is not computed from `{p}`"
-            elif reduced := _only_reduced(p, values[p], here, per_step):
-                at = jax.tree_util.keystr(paths[reduced[0]])
-                why = (
-                    f"its leaf at `{at}` is computed from `{p}` only through a reduction of "
-                    f"arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is"
-                )
-            else:
+            found = _unlinked_leaf(p, values[p], flow()[pos], outputs[pos], per_step, varying)
+            if found is None:
                 continue
-            if evidence(p, pos):
+            why, weighs = found
+            # (a weight is refused unless named parts say it is the new value: an addition
+            # taking its own leaf elsewhere, `y_mean + y_std * m`, is no evidence against it)
+            if has_named_parts(values[p]) if weighs else evidence(p, pos):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
             num_steps=num_steps,
         )  # fmt: skip
+
+
+def _unlinked_leaf(
+    p: str, value: Any, here: Flow, out: Any, per_step: frozenset[str], varying: frozenset[str]
+) -> tuple[str, bool] | None:
+    """Why a position matched to `p` by its type alone may not be its new value (the first
+    leaf that says so), and whether it is a weight (`_weighs`); None if no leaf says so."""
+    # (a leaf given back as another argument's leaf came, or made from this step's inputs
+    # alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
+    unlinked = [
+        i
+        for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
+        if p not in sources and owner is None and not (sources and sources <= per_step)
+    ]
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
+    if unlinked:
+        return f"its leaf at `{paths[unlinked[0]]}` is not computed from `{p}`", False
+    if reduced := _only_reduced(p, value, here, per_step):
+        return (
+            f"its leaf at `{paths[reduced[0]]}` is computed from `{p}` only through a "
+            f"reduction of arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is",
+            False,
+        )
+    if weighs := _weighs(p, value, here, varying):
+        return (
+            f"its leaf at `{paths[weighs[0]]}` sums a leaf of `{p}` times a value computed "
+            f"from the step's other arguments (`alpha * kd`, `loss / scale`), as a "
+            f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`",
+            True,
+        )
+    return None
 
 
 def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> list[int]:
@@ -224,6 +246,23 @@ def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> l
             zip(flow.leaves, flow.owners, flow.smooth, strict=True)
         )
         if owner is None and not (sources and sources <= per_step) and p not in smooth
+    ]
+
+
+def _weighs(p: str, value: Any, flow: Flow, varying: frozenset[str]) -> list[int]:
+    """For a container of scalar arrays, the leaves of its position that sum one of its
+    leaves times, or over, a value computed from arguments that change every step
+    (`varying`: per-step inputs and state): `alpha * kd + (1 - alpha) * ce` beside `(alpha,
+    T)`, `loss / loss_scale`, `y_std * jnp.mean(pred)`. A running value takes its own leaf
+    times constants (`0.9 * ema + 0.1 * loss`, `lr * jnp.where(better, 1.05, 0.5)`), or
+    times its other leaves (`mean * (n - 1) / n + x / n`), or normalised by a sum taking it
+    (`a / (a + b)`)."""
+    if not scalar_container(value):
+        return []
+    return [
+        j
+        for j, weights in enumerate(flow.weighted)
+        if any(w.param == p and w.by & (varying - {p}) for w in weights)
     ]
 
 

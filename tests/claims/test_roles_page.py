@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import typing
 import warnings
 
 import jax
@@ -3758,6 +3759,89 @@ def test_a_container_of_scalars_is_computed_from_its_own_leaves():
     for i in range(4):
         want = jax.jit(tracked)(*want, xs[i])
     tree_allclose(got, want)
+
+
+@claim(
+    PAGE,
+    "Nor does a leaf of the position sum one of its leaves times, or over, a value computed from the step's per-step inputs or state, as a hyperparameter weighs a loss (Hinton distillation's `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.mean(pred) * y_std + y_mean`); else the same `autoflat.OptionError`, unless a returned name sharing a word with it or named parts (a dict, a named tuple) say the position is its new value. A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).",
+)
+@claim(
+    PAGE,
+    '| `def distill(w, hp, x, y): alpha, T = hp; ... return w, (alpha * kd + (1 - alpha) * ce, kd * T**2)`, `num_steps > 1` | an `OptionError`: the metrics tuple has `hp`\'s types, and its loss sums `alpha` times a loss; `broadcast="hp"` or `state={"hp": 1}` |',
+)
+def test_a_container_of_scalars_weighing_a_loss_is_asked_about():
+    teacher = jnp.full(3, 0.5)
+
+    def distill(w, hp, x, y):
+        alpha, temp = hp
+
+        def full(w):
+            s, t = x * w, x * teacher
+            kd = jnp.mean((jax.nn.sigmoid(s / temp) - jax.nn.sigmoid(t / temp)) ** 2)
+            return alpha * kd + (1 - alpha) * jnp.mean((s - y) ** 2), kd
+
+        (loss, kd), g = jax.value_and_grad(full, has_aux=True)(w)
+        return w - 0.1 * g, (loss, kd * temp**2)
+
+    def unscaled(w, hp, x, y):
+        loss_scale, _ = hp
+        scaled, g = jax.value_and_grad(lambda w: loss_scale * jnp.mean((x * w - y) ** 2))(w)
+        return w - 0.1 * g / loss_scale, (scaled / loss_scale, scaled)
+
+    def denormalised(w, st, x, y):
+        y_mean, y_std = st
+        g = jax.grad(lambda w: jnp.mean((x * w - (y - y_mean) / y_std) ** 2))(w)
+        return w - 0.1 * g, (jnp.mean(x * w) * y_std + y_mean, jnp.std(x * w) * y_std)
+
+    def named(w, hp, x, y):  # (a named tuple of the same type: its new value)
+        loss = jnp.mean((x * w - y) ** 2)
+        return w * 0.9, _Control(hp.coef * (1.0 + 0.1 * jnp.tanh(loss)), hp.target)
+
+    def kept(w, st, x, y):
+        n, mean, scale, a, b = st
+        loss = jnp.mean((x * w - y) ** 2)
+        n = n + 1.0
+        finite = jnp.isfinite(loss)
+        return w * 0.9, (
+            n,
+            mean * (n - 1) / n + loss / n,
+            scale * jnp.where(finite, 2.0, 0.5),
+            (a + loss) / (a + loss + b),
+            b / (a + loss + b),
+        )
+
+    xs, ys = data(4, 3), data(4, 3, seed=1)
+    pair = (jnp.float32(0.9), jnp.float32(2.0))
+    for fn, name in ((distill, "hp"), (unscaled, "hp"), (denormalised, "st")):
+        with pytest.raises(autoflat.OptionError) as e:
+            autoflat.step(fn, num_steps=4)(jnp.ones(3), pair, xs, ys)
+        message = str(e.value)
+        assert f"its leaf at `[0]` sums a leaf of `{name}` times a value computed" in message
+        assert f'broadcast="{name}"' in message and f'state={{"{name}": 1}}' in message
+        got = autoflat.step(fn, num_steps=4, broadcast=name)(jnp.ones(3), pair, xs, ys)
+        w, outs = jnp.ones(3), []
+        for i in range(4):
+            w, out = jax.jit(fn)(w, pair, xs[i], ys[i])
+            outs.append(out)
+        tree_allclose(got, (w, jax.tree.map(lambda *o: jnp.stack(o), *outs)))
+
+    f32 = jnp.float32
+    for fn, start in (
+        (named, _Control(f32(0.1), f32(0.02))),
+        (kept, (f32(0.0), f32(0.0), f32(2.0**8), f32(1.0), f32(2.0))),
+    ):
+        step = autoflat.step(fn, num_steps=4)
+        got = step(jnp.ones(3), start, xs, ys)
+        assert "state (matched by value to return position 1)" in autoflat.show(step)
+        want = (jnp.ones(3), start)
+        for i in range(4):
+            want = jax.jit(fn)(*want, xs[i], ys[i])
+        tree_allclose(got, want)
+
+
+class _Control(typing.NamedTuple):
+    coef: jax.Array
+    target: jax.Array
 
 
 @claim(
