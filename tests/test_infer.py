@@ -2066,6 +2066,41 @@ def _decay_logged(w, hp, x, y):
     return w - lr * g, (mse + wd * reg, lr)
 
 
+def _lerped(w, hp, x, y):  # (the distillation loss written as a lerp, a weight T**2 in it)
+    alpha, temp = hp
+    teacher = x @ jnp.ones(3)
+
+    def full(w):
+        s = x @ w
+        kd = jnp.mean((jax.nn.sigmoid(s / temp) - jax.nn.sigmoid(teacher / temp)) ** 2)
+        ce = jnp.mean((s - y) ** 2)
+        return ce + alpha * (temp**2 * kd - ce), kd
+
+    (loss, kd), g = jax.value_and_grad(full, has_aux=True)(w)
+    return w - 0.1 * g, (loss, kd * temp**2)
+
+
+def _skipped_unscaled(w, hp, x, y):  # (the unscaled loss zeroed where not finite)
+    loss_scale, max_norm = hp
+    scaled, g = jax.value_and_grad(lambda w: loss_scale * jnp.mean((x @ w - y) ** 2))(w)
+    g = g / loss_scale
+    factor = jnp.minimum(1.0, max_norm / jnp.sqrt(jnp.sum(g**2)))
+    return w - 0.1 * g * factor, (jnp.where(jnp.isfinite(scaled), scaled / loss_scale, 0.0), factor)
+
+
+def _linear_fit(w, st, x, y):  # (a model of two scalars, `y = a * x + b`, trained by SGD)
+    loss, (ga, gb) = jax.value_and_grad(lambda p: jnp.mean((p[0] * x[:, 0] + p[1] - y) ** 2))(st)
+    return w * 0.9, (st[0] - 0.1 * ga, st[1] - 0.1 * gb)
+
+
+def _irregular_ema(w, st, x, y):  # (an EMA over irregular intervals, its time accumulated)
+    level, elapsed = st
+    dt = jnp.abs(x[0, 0]) + 0.1
+    decay = jnp.exp(-dt / 0.3)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, (decay * level + (1 - decay) * loss, elapsed + dt)
+
+
 def _ema_by(w, ema, x, y, decay=jnp.float32(0.9)):  # (the decay an array)
     loss, g = _scalar_loss(w, x, y)
     new = (ema[0] * decay + loss * (1 - decay), ema[1] * decay + jnp.sum(g**2) * (1 - decay))
@@ -2117,8 +2152,10 @@ def _jit_loop(fn, w, st, broadcast=False):
         (_hinton, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.9, 2.0)),
         (_weighted_terms, "hp", f"[0]` {_WEIGHS.format('hp')}", (1.0, 0.1)),
         (_unscaled, "hp", f"[0]` {_WEIGHS.format('hp')}", (2.0**8, 1.0)),
-        (_denormalised, "st", f"[0]` {_WEIGHS.format('st')}", (0.5, 2.0)),
+        (_denormalised, "st", f"[1]` {_WEIGHS.format('st')}", (0.5, 2.0)),
         (_decay_logged, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.01, 0.1)),
+        (_lerped, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.9, 2.0)),
+        (_skipped_unscaled, "hp", f"[0]` {_WEIGHS.format('hp')}", (2.0**8, 1.0)),
     ],
 )
 def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_about(
@@ -2160,6 +2197,8 @@ def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_a
         (_ema_by, (jnp.float32(1.0), jnp.float32(2.0))),
         (_running_mean, (jnp.float32(0.0), jnp.float32(0.0))),
         (_scale_times, (jnp.float32(2.0**8), jnp.float32(0.0))),
+        (_linear_fit, (jnp.float32(0.5), jnp.float32(-0.5))),
+        (_irregular_ema, (jnp.float32(0.0), jnp.float32(0.0))),
     ],
 )
 def test_scalar_state_computed_from_itself_is_carried(fn, start):
@@ -2169,13 +2208,48 @@ def test_scalar_state_computed_from_itself_is_carried(fn, start):
     stack of the old value and the loss), or from another leaf's new value (a stop flag, a
     debiased EMA, a learning rate scheduled on optax's count), or times constants or its own
     other leaves (an EMA whose decay is an array, a running mean `mean * (n - 1) / n`, a
-    loss scale times `jnp.where(finite, 2.0, 0.5)`), is still matched by value and carried:
-    equal to a loop of `jax.jit` over four steps."""
+    loss scale times `jnp.where(finite, 2.0, 0.5)`), or updated by an operation taking its
+    own leaf though its gradient weighs one leaf by the batch (a model `y = a * x + b` of two
+    scalars), or beside a leaf accumulated (an EMA over irregular intervals, its decay from
+    the batch), is still matched by value and carried: equal to a loop of `jax.jit` over
+    four steps."""
     w0 = jnp.ones(3)
     step = autoflat.step(fn, num_steps=4)
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
     assert "state (matched by value" in autoflat.show(step)
     tree_allclose(got, _jit_loop(fn, w0, start))
+
+
+def _reg_logged(w, wd, x, y):
+    g = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2) + 0.5 * wd * jnp.sum(w**2))(w)
+    reg = 0.5 * wd * jnp.sum(w**2)
+    return w - 0.1 * g, reg
+
+
+def _kd_logged(w, temp, x, y):
+    teacher = x @ jnp.ones(3)
+
+    def kd_of(w):
+        return jnp.mean((jax.nn.sigmoid(x @ w / temp) - jax.nn.sigmoid(teacher / temp)) ** 2)
+
+    kd, g = jax.value_and_grad(kd_of)(w)
+    return w - 0.1 * g, kd * temp**2
+
+
+@pytest.mark.parametrize("fn", [_reg_logged, _kd_logged])
+def test_a_scalar_hyperparameter_weighing_a_logged_term_at_its_place_is_asked_about(fn):
+    """A scalar array at its own place beside a logged term it weighs (`reg = 0.5 * wd *
+    jnp.sum(w**2)`, `kd * temp**2`): a product of it and a value of the step does not update
+    it, as `w - lr * g` or `0.9 * m + 0.1 * g` would, so it is not its new value by its
+    last operation (`wd * reg` was carried as the new `wd`, silently). Now the error
+    naming `broadcast=`, which equals `jax.jit`."""
+    w0, hp = jnp.ones(3), jnp.float32(0.5)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(fn, num_steps=4)(w0, hp, _SCALARS_XS, _SCALARS_YS)
+    name = "wd" if fn is _reg_logged else "temp"
+    assert f'broadcast="{name}"' in str(e.value)
+    step = autoflat.step(fn, num_steps=4, broadcast=name)
+    tree_allclose(step(w0, hp, _SCALARS_XS, _SCALARS_YS), _jit_loop(fn, w0, hp, True))
 
 
 def _distill_step(student, opt_state, teacher, x, y, distill_weight=0.5):

@@ -32,7 +32,8 @@ class Flow(NamedTuple):
     parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None, the
     parameters it is computed from other than through a reduction alone (`smooth`: a
     mean or a norm of something computed from `mu` is not; `0.9 * ema + 0.1 * loss` is
-    from `ema`), and the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`)."""
+    from `ema`), the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`), and
+    the parameters whose own leaves the last operation making it takes (`takes`)."""
 
     sources: frozenset[str]
     direct: frozenset[str]
@@ -40,6 +41,7 @@ class Flow(NamedTuple):
     owners: tuple[str | None, ...]  # per leaf, the parameter it is the own leaf of
     smooth: tuple[frozenset[str], ...]
     weighted: tuple[frozenset[Weight], ...]
+    takes: tuple[frozenset[str], ...]  # per leaf, `direct` (not a leaf given back as it came)
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -136,6 +138,7 @@ def _flows(
                 tuple(None if i is None else walked[i].root for i in at_leaf),
                 tuple(_NONE if i is None else walked[i].smooth for i in at_leaf),
                 tuple(frozenset() if i is None else walked[i].weighted for i in at_leaf),
+                tuple(_NONE if i is None else walked[i].direct for i in at_leaf),
             )
         )
     return result
@@ -281,16 +284,21 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         first = list(_jax.inputs(eqn)[:1])
         takes = _jax.name(eqn) in last and first and not _jax.is_literal(first[0])
         operands = got[:1] if takes else []
-    through = _jax.name(eqn) in _PASS_THROUGH and len(ins) == 1
-    smooth, spread = _reduced(eqn, ins)
     name = _jax.name(eqn)
+    through = name in _PASS_THROUGH and len(ins) == 1
+    smooth, spread = _reduced(eqn, ins)
+    scaled = _own_leaf(ins[0][1]) if through or _broadcast(name, ins) else _scaled(name, got)
+    if name in _SCALINGS and _size(_jax.out_aval(eqn)) == 1:
+        # (a scalar product takes an operand's leaf only as a multiple of it, `0.9 * m`:
+        # `wd * reg` weighs `wd`, it does not update it; `w * jnp.exp(-eta * losses)` does)
+        operands = [x for x in operands if _own_leaf(x) == scaled]
     out = _Var(
         _NONE.union(*(x.sources for _, x in ins)),
         frozenset(own for x in operands if (own := _own_leaf(x)) is not None),
         ins[0][1].root if through else None,
         smooth,
         spread,
-        _own_leaf(ins[0][1]) if through or _broadcast(name, ins) else _scaled(name, got),
+        scaled,
         _stepwise(name, got),
         _weighted(name, got),
     )
@@ -346,22 +354,32 @@ _ARITHMETIC = frozenset(
 
 def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     """The weights an operation's output sums (`Flow.weighted`): a product or quotient of a
-    parameter's own leaf and a value computed from others, not taking that leaf (`alpha *
-    kd`; `a / (a + b)` normalises `a`); and those its operands sum, through sums,
-    negations, sums over axes, casts and products with constants."""
+    parameter's own leaf, or a value computed from it alone (`T**2`, `1 - alpha`), and a
+    value computed from others, not taking that leaf (`alpha * kd`; `a / (a + b)`
+    normalises `a`); and those its operands sum, through sums, negations, sums over axes,
+    casts, products with constants and selects."""
     if name in ("mul", "div") and len(got) == 2:
         a, b = got
         found = {
             Weight(p, other.sources)
             for own, other in ((a, b), (b, a))
-            if (p := _own_leaf(own)) is not None and not _fixed(other) and not _normalises(other, p)
+            if (p := _of_one(own)) is not None and not _fixed(other) and not _normalises(other, p)
         }
         found |= b.weighted if _fixed(a) else frozenset()
         found |= a.weighted if _fixed(b) else frozenset()
         return frozenset(found)
     if name in _LINEAR:
         return frozenset().union(*(x.weighted for x in got))
+    if name == "select_n":  # (its cases, not its predicate)
+        return frozenset().union(*(x.weighted for x in got[1:]))
     return frozenset()
+
+
+def _of_one(x: _Var) -> str | None:
+    """The parameter `x` is an own leaf of, or computed from alone (and not a constant)."""
+    if (own := _own_leaf(x)) is not None:
+        return own
+    return next(iter(x.sources)) if len(x.sources) == 1 and not x.stepwise else None
 
 
 def _normalises(x: _Var, p: str) -> bool:

@@ -63,7 +63,7 @@ from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
 from .abstract import SCALARS, eval_one_step, positions_of, same_value
-from .flow import Flow, flows, flows_traced
+from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
@@ -512,7 +512,7 @@ class _Inference:
                 analysis, values, self.by_value, self.outputs, self._flow_of(first),
                 lambda p, pos: _matching.named_after(p, pos, first.names),
                 self._new_value_of, self._only_gradients(), num_steps, per_step,
-                per_step | frozenset(self.given_back()),
+                per_step | frozenset(p for p in self.given_back() if _of_a_model(values[p])),
             )  # fmt: skip
         if first is not None and first.kind != "none":
             carried = [p for p in self.params if p in self._carried()]
@@ -596,7 +596,7 @@ class _Inference:
                 self.fn, self.params, self.values, self.for_eval, self.num_steps,
                 lambda o: positions_of(first, o), additions=True,
             )  # fmt: skip
-        if p in self._added[pos].direct:
+        if any(p in takes for takes in self._added[pos].takes):
             return True
         return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos].sources
 
@@ -683,3 +683,9 @@ def _candidate(kind: Role | None, value: Any, num_steps: int) -> bool:
     if num_steps > 1:
         return kind == "broadcast"
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+
+
+def _of_a_model(value: Any) -> bool:
+    """Whether state is more than scalars (a counter, a schedule's step, a tuple of them):
+    what a loss is computed from, with the batch (`state_hazards._weighs`)."""
+    return not (scalar_container(value) or (is_array(value) and value.shape == ()))

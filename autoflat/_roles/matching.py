@@ -230,11 +230,13 @@ def linked(
     """Whether more than its place says return position `pos` may be the new value of the
     bare array `p`: the last operation making it takes `p`'s array (`w - lr * g`), or its
     name shares a word with `p` (`new_v`, `v2`), or it is an expression computed from `p`
-    (`0.9 * v + g`)."""
+    (`jnp.clip(v + g, -1, 1)`) that does not weigh it by another value (`kd * temp**2`
+    logs a loss weighed by `temp`: `flow.Weight`)."""
     here = flow()[pos]
     if p in here.direct or named_after(p, pos, names):
         return True
-    return name_at(names, pos) is None and p in here.sources
+    weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
+    return name_at(names, pos) is None and p in here.sources and not weighed
 
 
 def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:

@@ -171,10 +171,10 @@ def refuse_unlinked(
     (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
     returned gradients). For a container of scalar arrays also a leaf computed from it only
     through reductions (`_only_reduced`), or summing one of its leaves as a weight
-    (`_weighs`: named parts alone say otherwise; `varying`, the arguments that change every
-    step). Carried, each step would start from what is maybe a metric;
-    broadcast, from a value maybe stale. With num_steps > 1, refused with both fixes. (A
-    bare array matches only at its place, with its own evidence: `matching.bare_at_place`.)"""
+    (`_weighs`; `varying`: the per-step inputs and the state other than scalars). Carried,
+    each step would start from what is maybe a metric; broadcast, from a value maybe stale.
+    With num_steps > 1, refused with both fixes. (A bare array matches only at its place,
+    with its own evidence: `matching.bare_at_place`.)"""
     for p, pos in by_value.items():
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p])):
             continue
@@ -188,10 +188,8 @@ def refuse_unlinked(
             found = _unlinked_leaf(p, values[p], flow()[pos], outputs[pos], per_step, varying)
             if found is None:
                 continue
-            why, weighs = found
-            # (a weight is refused unless named parts say it is the new value: an addition
-            # taking its own leaf elsewhere, `y_mean + y_std * m`, is no evidence against it)
-            if has_named_parts(values[p]) if weighs else evidence(p, pos):
+            why = found
+            if evidence(p, pos):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
@@ -201,9 +199,9 @@ def refuse_unlinked(
 
 def _unlinked_leaf(
     p: str, value: Any, here: Flow, out: Any, per_step: frozenset[str], varying: frozenset[str]
-) -> tuple[str, bool] | None:
+) -> str | None:
     """Why a position matched to `p` by its type alone may not be its new value (the first
-    leaf that says so), and whether it is a weight (`_weighs`); None if no leaf says so."""
+    leaf that says so); None if no leaf says so."""
     # (a leaf given back as another argument's leaf came, or made from this step's inputs
     # alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
     unlinked = [
@@ -213,19 +211,17 @@ def _unlinked_leaf(
     ]
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
     if unlinked:
-        return f"its leaf at `{paths[unlinked[0]]}` is not computed from `{p}`", False
+        return f"its leaf at `{paths[unlinked[0]]}` is not computed from `{p}`"
     if reduced := _only_reduced(p, value, here, per_step):
         return (
             f"its leaf at `{paths[reduced[0]]}` is computed from `{p}` only through a "
-            f"reduction of arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is",
-            False,
+            f"reduction of arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is"
         )
     if weighs := _weighs(p, value, here, varying):
         return (
             f"its leaf at `{paths[weighs[0]]}` sums a leaf of `{p}` times a value computed "
             f"from the step's other arguments (`alpha * kd`, `loss / scale`), as a "
-            f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`",
-            True,
+            f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`"
         )
     return None
 
@@ -251,18 +247,19 @@ def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> l
 
 def _weighs(p: str, value: Any, flow: Flow, varying: frozenset[str]) -> list[int]:
     """For a container of scalar arrays, the leaves of its position that sum one of its
-    leaves times, or over, a value computed from arguments that change every step
-    (`varying`: per-step inputs and state): `alpha * kd + (1 - alpha) * ce` beside `(alpha,
-    T)`, `loss / loss_scale`, `y_std * jnp.mean(pred)`. A running value takes its own leaf
-    times constants (`0.9 * ema + 0.1 * loss`, `lr * jnp.where(better, 1.05, 0.5)`), or
-    times its other leaves (`mean * (n - 1) / n + x / n`), or normalised by a sum taking it
-    (`a / (a + b)`)."""
+    leaves times, or over, a value computed from the batch or the model (`varying`: the
+    per-step inputs and the state other than scalars): `alpha * kd + (1 - alpha) * ce`
+    beside `(alpha, T)`, `loss / loss_scale`, `y_std * jnp.mean(pred)`. A running value
+    takes its own leaf times constants (`0.9 * ema + 0.1 * loss`, `lr * jnp.where(better,
+    1.05, 0.5)`) or its other leaves (`mean * (n - 1) / n + x / n`), or normalised by a sum
+    taking it (`a / (a + b)`), or its last operation takes its own leaf (`b - lr * gb`, a
+    scalar model trained: its gradient multiplies `a` by the batch)."""
     if not scalar_container(value):
         return []
     return [
         j
-        for j, weights in enumerate(flow.weighted)
-        if any(w.param == p and w.by & (varying - {p}) for w in weights)
+        for j, (weights, takes) in enumerate(zip(flow.weighted, flow.takes, strict=True))
+        if p not in takes and any(w.param == p and w.by & (varying - {p}) for w in weights)
     ]
 
 

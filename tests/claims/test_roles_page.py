@@ -1597,7 +1597,7 @@ def _jitted_helper(w, m, x):
 
 @claim(
     PAGE,
-    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers)",
+    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers; a product giving a scalar takes only a multiple: `reg = wd * jnp.sum(w ** 2)` weighs `wd`)",
 )
 def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
     def sgd(w, lr, x):
@@ -1683,11 +1683,27 @@ def test_a_bare_array_whose_returned_name_shares_a_word_is_matched():
         ), fn.__name__
 
 
-@claim(PAGE, "or the position is an expression computed from it (`0.9 * v + g`)")
+@claim(
+    PAGE,
+    "or the position is an expression computed from it (`0.9 * v + g`) that does not weigh it by another value (`kd * temp**2` does)",
+)
 def test_a_bare_array_whose_position_is_an_expression_of_it_is_matched():
     def momentum(w, v, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
         return w - 0.1 * (0.9 * v + g), 0.9 * v + g, loss
+
+    def logged(w, temp, x):
+        kd, g = jax.value_and_grad(lambda w: jnp.mean(jax.nn.sigmoid(x * w / temp) ** 2))(w)
+        return w - 0.1 * g, kd * temp**2
+
+    def weighed(w, wd, x):
+        reg = wd * jnp.sum(w**2)
+        return w - 0.1 * x * w, reg
+
+    for fn, name in ((logged, "temp"), (weighed, "wd")):
+        with pytest.raises(autoflat.OptionError) as e:
+            autoflat.step(fn, num_steps=K)(jnp.ones(3), jnp.float32(2.0), data(K, 3))
+        assert f'broadcast="{name}"' in str(e.value)
 
     xs = data(8, 3)
     ref_state, (rl,) = jit_loop(momentum, (jnp.zeros(3), jnp.zeros(3)), (xs,), 8)
@@ -3763,7 +3779,7 @@ def test_a_container_of_scalars_is_computed_from_its_own_leaves():
 
 @claim(
     PAGE,
-    "Nor does a leaf of the position sum one of its leaves times, or over, a value computed from the step's per-step inputs or state, as a hyperparameter weighs a loss (Hinton distillation's `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.mean(pred) * y_std + y_mean`); else the same `autoflat.OptionError`, unless a returned name sharing a word with it or named parts (a dict, a named tuple) say the position is its new value. A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).",
+    "Nor does a leaf of the position sum one of its leaves (or a value of them alone, `T**2`) times, or over, a value computed from the batch or the model, as a hyperparameter weighs a loss (Hinton distillation's `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.std(pred) * y_std`), unless the leaf's last operation takes its own leaf (`b - lr * gb`: a model `y = a * x + b` of two scalars, whose gradient weighs `a` by the batch); else the same `autoflat.OptionError`, with the same evidence (`elapsed + dt` beside an EMA whose decay comes from the batch). A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).",
 )
 @claim(
     PAGE,
@@ -3810,13 +3826,23 @@ def test_a_container_of_scalars_weighing_a_loss_is_asked_about():
             b / (a + loss + b),
         )
 
+    def fitted(w, ab, x, y):  # (a model `y = a * x + b` of two scalars)
+        _, (ga, gb) = jax.value_and_grad(lambda p: jnp.mean((p[0] * x + p[1] - y) ** 2))(ab)
+        return w * 0.9, (ab[0] - 0.1 * ga, ab[1] - 0.1 * gb)
+
+    def irregular(w, st, x, y):  # (an EMA whose decay comes from the batch)
+        level, elapsed = st
+        dt = jnp.abs(x[0]) + 0.1
+        decay = jnp.exp(-dt)
+        return w * 0.9, (decay * level + (1 - decay) * jnp.mean(y), elapsed + dt)
+
     xs, ys = data(4, 3), data(4, 3, seed=1)
     pair = (jnp.float32(0.9), jnp.float32(2.0))
-    for fn, name in ((distill, "hp"), (unscaled, "hp"), (denormalised, "st")):
+    for fn, name, at in ((distill, "hp", 0), (unscaled, "hp", 0), (denormalised, "st", 1)):
         with pytest.raises(autoflat.OptionError) as e:
             autoflat.step(fn, num_steps=4)(jnp.ones(3), pair, xs, ys)
         message = str(e.value)
-        assert f"its leaf at `[0]` sums a leaf of `{name}` times a value computed" in message
+        assert f"its leaf at `[{at}]` sums a leaf of `{name}` times a value computed" in message
         assert f'broadcast="{name}"' in message and f'state={{"{name}": 1}}' in message
         got = autoflat.step(fn, num_steps=4, broadcast=name)(jnp.ones(3), pair, xs, ys)
         w, outs = jnp.ones(3), []
@@ -3829,6 +3855,8 @@ def test_a_container_of_scalars_weighing_a_loss_is_asked_about():
     for fn, start in (
         (named, _Control(f32(0.1), f32(0.02))),
         (kept, (f32(0.0), f32(0.0), f32(2.0**8), f32(1.0), f32(2.0))),
+        (fitted, (f32(0.5), f32(-0.5))),
+        (irregular, (f32(0.0), f32(0.0))),
     ):
         step = autoflat.step(fn, num_steps=4)
         got = step(jnp.ones(3), start, xs, ys)
