@@ -31,6 +31,9 @@ What this module relies on:
   them, JAX 0.12 describes its operands otherwise and its scans run as traced).
 - An abstract value's `weak_type` (`weak_type`), and `jax._src.lax.lax._convert_element_type`
   with `weak_type=True` (`weakly_typed`: no public function makes a weakly typed array).
+- `jax.sharding.is_single_device_sharding` and `make_single_device_sharding`
+  (`is_single_device`, `single_device_sharding`: JAX 0.12.1 deprecates the
+  `SingleDeviceSharding` name, which older JAX without them still has).
 - `jax.sharding.AxisType.Explicit` and `Mesh.axis_types` (`EXPLICIT_AXIS`, `axis_types`:
   JAX's sharding in types; absent on JAX 0.4).
 - A `jax.jit` function's type name `PjitFunction` and its `_jit_info` (`is_jax_jit`,
@@ -366,8 +369,25 @@ def scans_readable() -> bool:
 
 # -- sharding in types, jit wrappers ----------------------------------------------------------
 
+
 # The axis type of a mesh axis whose sharding is part of an array's type; None on a JAX
 # without sharding in types.
+def is_single_device(sharding: Any) -> bool:
+    """Whether `sharding` places an array whole on one device (a `SingleDeviceSharding`)."""
+    check = getattr(jax.sharding, "is_single_device_sharding", None)
+    if check is not None:
+        return bool(check(sharding))
+    return isinstance(sharding, jax.sharding.SingleDeviceSharding)
+
+
+def single_device_sharding(device: Any) -> Any:
+    """The sharding placing an array whole on `device`."""
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device)
+    return jax.sharding.SingleDeviceSharding(device)
+
+
 EXPLICIT_AXIS: Any = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
 
 

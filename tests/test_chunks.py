@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoflat
+from autoflat import _jax
 from autoflat._feeding import chunks as _chunks
 from autoflat._feeding import stacking as _stacking
 
@@ -385,7 +386,7 @@ def test_chunk_sharding():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     s = NamedSharding(mesh, P("data"), memory_kind=None)
     assert _stacking.chunk_sharding(s).spec == P(None, "data")
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    single = _jax.single_device_sharding(jax.devices()[0])
     assert _stacking.chunk_sharding(single) is single
 
 

@@ -246,7 +246,7 @@ def test_inlined_takes_a_plain_jit_only():
     assert [_jax.name(e) for e in _jax.equations(inner[0])] == ["sin", "mul"]
     np.testing.assert_allclose(_run(*inner, [jnp.float32(1)])[0], np.sin(1.0) * 2, rtol=1e-6)
     assert _jax.inlined(_eqn(closed, "scan")) is None
-    placed = jax.jit(jnp.sin, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    placed = jax.jit(jnp.sin, out_shardings=_jax.single_device_sharding(jax.devices()[0]))
     assert _jax.inlined(_eqn(jax.make_jaxpr(placed)(1.0), "jit")) is None
 
 
@@ -304,3 +304,14 @@ def test_spec_extras():
     except TypeError:
         pytest.skip("this JAX's PartitionSpec has no unreduced axes")
     assert _jax.spec_extras(spec) == {"unreduced": spec.unreduced}
+
+
+def test_single_device_shardings():
+    device = jax.devices()[0]
+    single = _jax.single_device_sharding(device)
+    assert _jax.is_single_device(single)
+    assert single.device_set == {device}
+    assert _jax.is_single_device(jax.device_put(jnp.ones(3), device).sharding)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    assert not _jax.is_single_device(named)

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .. import _jax
 from .._errors import (
@@ -58,7 +58,7 @@ def chunk_sharding(sharding: Sharding) -> Sharding:
         return NamedSharding(
             sharding.mesh, PartitionSpec(None, *spec, **extra), memory_kind=sharding.memory_kind
         )
-    if isinstance(sharding, SingleDeviceSharding) or sharding.is_fully_replicated:
+    if _jax.is_single_device(sharding) or sharding.is_fully_replicated:
         return sharding
     raise TypeError(
         CHUNK_SHARDING.format(

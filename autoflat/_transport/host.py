@@ -48,7 +48,7 @@ def _host_device(layout: Layout, arrays: Sequence[Any], kind: int) -> tuple[Any,
         if not packable_dtype(a.dtype):  # PRNG keys: no NumPy copy
             return None
         sharding = a.sharding
-        if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        if not _jax.is_single_device(sharding):
             return None
         d: Any = next(iter(sharding.device_set))
         if d.platform != "cpu" or sharding.memory_kind not in (None, "device"):

@@ -211,9 +211,9 @@ def test_returns_of_different_shapes_are_refused():
 )
 def test_a_jit_with_shardings_or_an_nnx_jit_with_options_is_refused():
     from flax import nnx
-    from jax.sharding import SingleDeviceSharding
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = SingleDeviceSharding(jax.devices()[0])
+    sharding = NamedSharding(Mesh(jax.devices()[:1], ("d",)), PartitionSpec())
     for kind, wrapped, options in (
         ("jax.jit", jax.jit(add, in_shardings=sharding), "in_shardings"),
         ("jax.jit", jax.jit(add, out_shardings=sharding), "out_shardings"),
