@@ -195,6 +195,9 @@ def test_jax_private_api_only_in_the_compatibility_module():
             ".constvars",
             "_jit_info",
             "PjitFunction",
+            "sharding.SingleDeviceSharding",  # (deprecated by JAX 0.12.1)
+            "import SingleDeviceSharding",
+            ", SingleDeviceSharding",
         ):
             if attr in text:
                 found.append(f"{name}: {attr}")
