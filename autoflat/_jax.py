@@ -369,25 +369,27 @@ def scans_readable() -> bool:
 
 # -- sharding in types, jit wrappers ----------------------------------------------------------
 
+# JAX 0.12.1 deprecates the `SingleDeviceSharding` name for these two (resolved once).
+_IS_SINGLE_DEVICE = getattr(jax.sharding, "is_single_device_sharding", None)
+_MAKE_SINGLE_DEVICE = getattr(jax.sharding, "make_single_device_sharding", None)
 
-# The axis type of a mesh axis whose sharding is part of an array's type; None on a JAX
-# without sharding in types.
+
 def is_single_device(sharding: Any) -> bool:
     """Whether `sharding` places an array whole on one device (a `SingleDeviceSharding`)."""
-    check = getattr(jax.sharding, "is_single_device_sharding", None)
-    if check is not None:
-        return bool(check(sharding))
+    if _IS_SINGLE_DEVICE is not None:
+        return bool(_IS_SINGLE_DEVICE(sharding))
     return isinstance(sharding, jax.sharding.SingleDeviceSharding)
 
 
 def single_device_sharding(device: Any) -> Any:
     """The sharding placing an array whole on `device`."""
-    make = getattr(jax.sharding, "make_single_device_sharding", None)
-    if make is not None:
-        return make(device)
+    if _MAKE_SINGLE_DEVICE is not None:
+        return _MAKE_SINGLE_DEVICE(device)
     return jax.sharding.SingleDeviceSharding(device)
 
 
+# The axis type of a mesh axis whose sharding is part of an array's type; None on a JAX
+# without sharding in types.
 EXPLICIT_AXIS: Any = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
 
 
