@@ -93,6 +93,7 @@ def _flat(k):
 
 
 SLOW = pytest.mark.slow
+_BITWISE_TRANSPORT = jax.__version_info__ < (0, 12)
 
 
 # Half of the eight combinations, in which every two values of any two parameters meet; the
@@ -111,13 +112,17 @@ SLOW = pytest.mark.slow
     ],
 )
 def test_packed_results_are_those_of_flat(pack, k, segments, monkeypatch):
-    # The transport alone changes no bit. With the views on (`_segments`), the elementwise
-    # operations on packed leaves run on whole buffers, which XLA simplifies otherwise
-    # (`a / b / c` into `a / (b * c)` in one program and not the other): the last bits.
+    # The transport alone changes no bit (JAX 0.10). With the views on (`_segments`), the
+    # elementwise operations on packed leaves run on whole buffers, which XLA simplifies
+    # otherwise (`a / b / c` into `a / (b * c)` in one program and not the other): the last
+    # bits. JAX 0.12's XLA:CPU compiles the per-leaf update arithmetic of the k=1 packed program
+    # otherwise even with every leaf cut out (parameters up to 6 ulps apart after two calls, in
+    # 7 of 20,000 elements; the losses equal): bitwise only on the JAX before it.
     monkeypatch.setattr(_entry, "SEGMENTS", segments)
     ref_params, ref_opt, ref_losses = _flat(k)
     step, params, opt_state, losses = _run(pack, k, 3)
-    if segments:
+    bitwise = not segments and _BITWISE_TRANSPORT
+    if not bitwise:
         np.testing.assert_allclose(np.ravel(losses), np.ravel(ref_losses), rtol=1e-4)
         # The gradient of `big` through 20 tanh layers is partly float noise, which Adam moves
         # by up to its learning rate whatever its size: a program with other last bits moves
@@ -133,7 +138,7 @@ def test_packed_results_are_those_of_flat(pack, k, segments, monkeypatch):
         _bits((params, opt_state, losses)), _bits((ref_params, ref_opt, ref_losses)), strict=True
     ):
         assert a.dtype == b.dtype
-        if not segments:
+        if bitwise:
             np.testing.assert_array_equal(a, b)
     # the state really travelled packed: a few buffers instead of one per leaf
     layout = params._af_layout
