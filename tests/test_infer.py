@@ -2121,6 +2121,12 @@ def _scale_times(w, ls, x, y):  # (a dynamic loss scale, multiplied up or down)
     return w - 0.1 * g, (scale * jnp.where(finite, 2.0, 0.5), jnp.where(finite, good + 1, 0.0))
 
 
+def _td_logged(w, hp, x, y):  # (TD(0) on linear values, the TD error logged beside the rates)
+    gamma, alpha = hp
+    td = y[0] + gamma * (x[1] @ w) - x[0] @ w
+    return w + alpha * td * x[0], (jnp.abs(td), td**2)
+
+
 _WEIGHS = "sums a leaf of `{}` times a value computed from the step's other arguments"
 _SCALARS_XS = jax.random.normal(jax.random.key(2), (4, 8, 3))
 _SCALARS_YS = jax.random.normal(jax.random.key(3), (4, 8))
@@ -2156,6 +2162,7 @@ def _jit_loop(fn, w, st, broadcast=False):
         (_decay_logged, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.01, 0.1)),
         (_lerped, "hp", f"[0]` {_WEIGHS.format('hp')}", (0.9, 2.0)),
         (_skipped_unscaled, "hp", f"[0]` {_WEIGHS.format('hp')}", (2.0**8, 1.0)),
+        (_td_logged, "hp", "[1]` is not computed from `hp[1]`, which the step reads", (0.9, 0.1)),
     ],
 )
 def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_about(
@@ -2167,7 +2174,9 @@ def test_scalars_a_metrics_tuple_is_not_computed_from_at_their_place_are_asked_a
     norm beside `(lr, wd)` with the weight decay in the loss), or not at all from a `cond`'s
     branches, or sums one of its leaves times a loss or other value of the step (Hinton
     distillation's `alpha * kd` beside `(alpha, T)`, loss weights, a loss unscaled by its
-    scale, predictions denormalised, a logged weight decay term): carried as the metrics at
+    scale, predictions denormalised, a logged weight decay term), or gives way at a leaf the
+    step reads to a value not computed from it (a TD error's square at `alpha`'s place beside
+    `(gamma, alpha)`): carried as the metrics at
     num_steps > 1, silently wrong. Now an error naming the leaf and both fixes;
     `broadcast=` equals `jax.jit`."""
     w0, start = jnp.ones(3), tuple(jnp.float32(v) for v in start)

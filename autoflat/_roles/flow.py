@@ -32,8 +32,11 @@ class Flow(NamedTuple):
     parameter it is an own leaf of, given back as it came (`x` in `(h, x)`), or None, the
     parameters it is computed from other than through a reduction alone (`smooth`: a
     mean or a norm of something computed from `mu` is not; `0.9 * ema + 0.1 * loss` is
-    from `ema`), the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`), and
-    the parameters whose own leaves the last operation making it takes (`takes`)."""
+    from `ema`), the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`), the
+    parameters whose own leaves the last operation making it takes (`takes`), and the leaves
+    of containers of scalar arrays it is computed from (`origins`: `(p, j)` for leaf `j` of
+    `p`; `gamma` of `(gamma, alpha)`, not `alpha`, in a TD error `r + gamma * v[s2] - v[s]`).
+    """
 
     sources: frozenset[str]
     direct: frozenset[str]
@@ -42,6 +45,7 @@ class Flow(NamedTuple):
     smooth: tuple[frozenset[str], ...]
     weighted: tuple[frozenset[Weight], ...]
     takes: tuple[frozenset[str], ...]  # per leaf, `direct` (not a leaf given back as it came)
+    origins: tuple[frozenset[Origin], ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -118,9 +122,14 @@ def _flows(
     inputs = [[] if rebuild is None else a for rebuild, a in parts]
     jaxpr = jax.make_jaxpr(one_step)(inputs).jaxpr
     seeds = [
-        _Var(frozenset({p}), root=p, smooth=frozenset({p}))
+        _Var(
+            frozenset({p}),
+            root=p,
+            smooth=frozenset({p}),
+            origins=frozenset({(p, j)}) if scalar_container(values[p]) else _NO_ORIGINS,
+        )
         for p, a in zip(params, inputs, strict=True)
-        for _ in a
+        for j, _ in enumerate(a)
     ]
     walked = _walk(jaxpr, seeds, last)
     result = []
@@ -139,6 +148,7 @@ def _flows(
                 tuple(_NONE if i is None else walked[i].smooth for i in at_leaf),
                 tuple(frozenset() if i is None else walked[i].weighted for i in at_leaf),
                 tuple(_NONE if i is None else walked[i].direct for i in at_leaf),
+                tuple(_NO_ORIGINS if i is None else walked[i].origins for i in at_leaf),
             )
         )
     return result
@@ -161,6 +171,11 @@ def _own(root: str | None) -> frozenset[str]:
     return _NONE if root is None else frozenset({root})
 
 
+# A leaf of a container of scalar arrays: (parameter, index among its leaves) (`Flow.origins`).
+Origin = tuple[str, int]
+_NO_ORIGINS: frozenset[Origin] = frozenset()
+
+
 class Weight(NamedTuple):
     """A term of a sum that is a parameter's own leaf times, or over, a value computed from
     others (`alpha * kd`, `loss / scale`, `max_norm / gnorm`): how a hyperparameter weighs
@@ -180,7 +195,8 @@ class _Var(NamedTuple):
     jnp.where(better, 1.05, 0.5)`): an operation taking it takes that leaf (`0.9 * m + 0.1 *
     g`, an average kept as Adam keeps its moments), whether it is one of a few constants that
     the data only picks between (`stepwise`: `jnp.where(finite, 2.0, 0.5)`), and the weights
-    it sums (`Flow.weighted`)."""
+    it sums (`Flow.weighted`), and the leaves of containers of scalar arrays it is computed
+    from (`Flow.origins`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -190,6 +206,7 @@ class _Var(NamedTuple):
     scaled: str | None = None
     stepwise: bool = False
     weighted: frozenset[Weight] = frozenset()
+    origins: frozenset[Origin] = _NO_ORIGINS
 
 
 _LITERAL = _Var()
@@ -235,6 +252,7 @@ def _branches(branches: list[Any], got: list[_Var], last: frozenset[str] | None)
             index.sources.union(*(x.sources for x in per)),
             smooth=index.smooth.union(*(x.smooth for x in per)),
             spread=index.spread.union(*(x.spread for x in per)),
+            origins=index.origins.union(*(x.origins for x in per)),
         )
         for per in zip(*walked, strict=True)
     ]
@@ -270,6 +288,7 @@ def _joined(*xs: _Var) -> _Var:
         _NONE.union(*(x.sources for x in xs)),
         smooth=_NONE.union(*(x.smooth for x in xs)),
         spread=_NONE.union(*(x.spread for x in xs)),
+        origins=_NO_ORIGINS.union(*(x.origins for x in xs)),
     )
 
 
@@ -301,6 +320,7 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         scaled,
         _stepwise(name, got),
         _weighted(name, got),
+        _NO_ORIGINS.union(*(x.origins for _, x in ins)),
     )
     return [out] * len(_jax.outputs(eqn))
 

@@ -185,7 +185,7 @@ def refuse_unlinked(
                 continue
             why = "it holds gradients, computed from whatever the loss reads"
         else:
-            found = _unlinked_leaf(p, values[p], flow()[pos], outputs[pos], per_step, varying)
+            found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], per_step, varying)
             if found is None:
                 continue
             why = found
@@ -198,10 +198,17 @@ def refuse_unlinked(
 
 
 def _unlinked_leaf(
-    p: str, value: Any, here: Flow, out: Any, per_step: frozenset[str], varying: frozenset[str]
+    p: str,
+    value: Any,
+    flows: list[Flow],
+    pos: int,
+    out: Any,
+    per_step: frozenset[str],
+    varying: frozenset[str],
 ) -> str | None:
-    """Why a position matched to `p` by its type alone may not be its new value (the first
-    leaf that says so); None if no leaf says so."""
+    """Why position `pos`, matched to `p` by its type alone, may not be its new value (the
+    first leaf that says so); None if no leaf says so."""
+    here = flows[pos]
     # (a leaf given back as another argument's leaf came, or made from this step's inputs
     # alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
     unlinked = [
@@ -223,7 +230,40 @@ def _unlinked_leaf(
             f"from the step's other arguments (`alpha * kd`, `loss / scale`), as a "
             f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`"
         )
+    if replaced := _replaced(p, flows, pos, per_step):
+        at = paths[replaced[0]]
+        return (
+            f"its leaf at `{at}` is not computed from `{p}{at}`, which the step reads (state "
+            f"that a step reads is computed from itself, `count + 1`, `0.9 * ema + 0.1 * "
+            f"loss`; a metric beside hyperparameters is not)"
+        )
     return None
+
+
+def _replaced(p: str, flows: list[Flow], pos: int, per_step: frozenset[str]) -> list[int]:
+    """For a container of scalar arrays, the leaves `j` of position `pos` not computed from
+    its own leaf `j` where the step reads that leaf (`Flow.origins`): `(jnp.abs(td), td**2)`
+    beside `(gamma, alpha)`, the TD error computed from `gamma` and weighed into the values
+    by `alpha`. A leaf given back as an argument's leaf came, or made from per-step
+    arguments alone, is a carry's input (`(h, x)`, a shift register); one made from the
+    container's other leaves and per-step arguments is a schedule (`(count, lr)` given back
+    `(count + 1, schedule(count))`); a leaf the step does not read may take any value
+    (`(count + 1, loss)`; given back as it came is no read: `(prev, loss)` for `(prev2,
+    prev)`)."""
+    here = flows[pos]
+    read = frozenset[tuple[str, int]]().union(
+        *(o for f in flows for o, owner in zip(f.origins, f.owners, strict=True) if owner is None)
+    )
+    return [
+        j
+        for j, (origins, owner, sources) in enumerate(
+            zip(here.origins, here.owners, here.leaves, strict=True)
+        )
+        if (p, j) in read
+        and (p, j) not in origins
+        and owner is None
+        and not sources <= per_step | {p}
+    ]
 
 
 def _only_reduced(p: str, value: Any, flow: Flow, per_step: frozenset[str]) -> list[int]:
