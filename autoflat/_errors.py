@@ -402,6 +402,19 @@ and position {pos} is stacked. Say which:
     @autoflat.step(..., broadcast="{param}")  # `{param}` is the same every step
 """
 
+STATE_AWAY_FROM_PLACE = """\
+`{name}` ({where}): return position {pos} ({returned}) is made by an operation taking \
+`{param}`'s own array and has its shape and dtype, but is not at `{param}`'s place among the \
+returns (position {place}: its rank among the parameters that could be state, those named \
+broadcast= left out), where a bare array is matched. With num_steps={num_steps} the reading \
+matters: as state, each step starts from what the one before gave back at position {pos}; as \
+broadcast, each step starts from the `{param}` passed in (a step counter stays at its first \
+value) and position {pos} is stacked. Say which:
+
+    @autoflat.step(..., state={{"{param}": {pos}}})  # position {pos} is the new `{param}`
+    @autoflat.step(..., broadcast="{param}")  # `{param}` is the same every step
+"""
+
 STATE_NOT_MATCHED = """\
 `{name}` ({where}): `{param}` is named in state= but no `return` gives back a value with its \
 tree structure, shapes and dtypes ({returns}), and the body does not assign into it. State \

@@ -2261,6 +2261,68 @@ def test_a_scalar_hyperparameter_weighing_a_logged_term_at_its_place_is_asked_ab
     tree_allclose(step(w0, hp, _SCALARS_XS, _SCALARS_YS), _jit_loop(fn, w0, hp, True))
 
 
+def _warmup_logged(w, lr, step, x, y):  # (the rate this step used, returned to be logged)
+    lr_t = lr * jnp.where(step < 2, 0.1, 1.0)
+    _, g = _scalar_loss(w, x, y)
+    return w - lr_t * g, lr_t, step + 1
+
+
+def _step_decay(w, lr, step, x, y):  # (a step schedule kept as state: the new rate as `lr`)
+    lr = lr * jnp.where(step % 2 == 1, 0.5, 1.0)
+    _, g = _scalar_loss(w, x, y)
+    return w - lr * g, lr, step + 1
+
+
+def _step_decay_new(w, lr, step, x, y):
+    new_lr = lr * jnp.where(step % 2 == 1, 0.5, 1.0)
+    _, g = _scalar_loss(w, x, y)
+    return w - lr * g, new_lr, step + 1
+
+
+def _step_decay_inline(w, lr, step, x, y):
+    _, g = _scalar_loss(w, x, y)
+    return w - lr * g, lr * jnp.where(step % 2 == 1, 0.5, 1.0), step + 1
+
+
+def _rate_loop(fn, lr_is_state):
+    w, lr, step, lrs = jnp.ones(3), jnp.float32(0.1), jnp.int32(0), []
+    for i in range(4):
+        w, lr_out, step = jax.jit(fn)(w, lr, step, _SCALARS_XS[i], _SCALARS_YS[i])
+        lrs.append(lr_out)
+        lr = lr_out if lr_is_state else lr
+    return w, (lr if lr_is_state else jnp.stack(lrs)), step
+
+
+def test_a_rate_times_a_picked_factor_under_a_name_of_its_own_is_asked_about():
+    """A warmup: `lr_t = lr * jnp.where(step < 2, 0.1, 1.0)`, the rate this step used,
+    returned at `lr`'s place to be logged. Read as a schedule on the rate, it was carried at
+    num_steps > 1 (every step of a call multiplied the rate by 0.1 again), silently wrong.
+    Now the error naming both fixes; `broadcast="lr"` equals `jax.jit`."""
+    args = (jnp.ones(3), jnp.float32(0.1), jnp.int32(0), _SCALARS_XS, _SCALARS_YS)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(_warmup_logged, num_steps=4)(*args)
+    message = str(e.value)
+    assert "return position 1 (`lr_t`, computed from `lr`)" in message
+    assert "`lr` times a factor the step picks among constants" in message
+    assert 'broadcast="lr"' in message and 'state={"lr": 1}' in message
+    # (with `lr` broadcast, `step` ranks second among what could be state: its place is
+    # `lr_t`'s, so `step + 1` is given back away from it, and that is asked too)
+    with pytest.raises(autoflat.OptionError, match=r'state=\{"step": 2\}'):
+        autoflat.step(_warmup_logged, num_steps=4, broadcast="lr")(*args)
+    step = autoflat.step(_warmup_logged, num_steps=4, broadcast="lr", state={"step": 2})
+    tree_allclose(step(*args), _rate_loop(_warmup_logged, False))
+
+
+@pytest.mark.parametrize("fn", [_step_decay, _step_decay_new, _step_decay_inline])
+def test_a_step_schedule_on_a_rate_given_back_as_its_new_value_is_carried(fn):
+    """A step schedule kept as state (`lr * jnp.where(step % 2 == 1, 0.5, 1.0)`) given back
+    under the rate's own name, its new value's (`new_lr`) or as an expression at its place:
+    carried, equal to a `jax.jit` loop feeding the rate back."""
+    args = (jnp.ones(3), jnp.float32(0.1), jnp.int32(0), _SCALARS_XS, _SCALARS_YS)
+    step = autoflat.step(fn, num_steps=4)
+    tree_allclose(step(*args), _rate_loop(fn, True))
+
+
 def _distill_step(student, opt_state, teacher, x, y, distill_weight=0.5):
     t = x @ teacher
 

@@ -35,7 +35,9 @@ class Flow(NamedTuple):
     from `ema`), the weights it sums (`weighted`: `alpha * kd` in `alpha * kd + ce`), the
     parameters whose own leaves the last operation making it takes (`takes`), and the leaves
     of containers of scalar arrays it is computed from (`origins`: `(p, j)` for leaf `j` of
-    `p`; `gamma` of `(gamma, alpha)`, not `alpha`, in a TD error `r + gamma * v[s2] - v[s]`).
+    `p`; `gamma` of `(gamma, alpha)`, not `alpha`, in a TD error `r + gamma * v[s2] - v[s]`),
+    and the parameter it is an own leaf of times a factor the data picks among constants
+    (`picked`: `lr * jnp.where(step < warmup, 0.1, 1.0)`), or None.
     """
 
     sources: frozenset[str]
@@ -46,6 +48,7 @@ class Flow(NamedTuple):
     weighted: tuple[frozenset[Weight], ...]
     takes: tuple[frozenset[str], ...]  # per leaf, `direct` (not a leaf given back as it came)
     origins: tuple[frozenset[Origin], ...]
+    picked: tuple[str | None, ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -149,6 +152,9 @@ def _flows(
                 tuple(frozenset() if i is None else walked[i].weighted for i in at_leaf),
                 tuple(_NONE if i is None else walked[i].direct for i in at_leaf),
                 tuple(_NO_ORIGINS if i is None else walked[i].origins for i in at_leaf),
+                tuple(
+                    None if i is None or not walked[i].picked else walked[i].scaled for i in at_leaf
+                ),
             )
         )
     return result
@@ -195,8 +201,9 @@ class _Var(NamedTuple):
     jnp.where(better, 1.05, 0.5)`): an operation taking it takes that leaf (`0.9 * m + 0.1 *
     g`, an average kept as Adam keeps its moments), whether it is one of a few constants that
     the data only picks between (`stepwise`: `jnp.where(finite, 2.0, 0.5)`), and the weights
-    it sums (`Flow.weighted`), and the leaves of containers of scalar arrays it is computed
-    from (`Flow.origins`)."""
+    it sums (`Flow.weighted`), the leaves of containers of scalar arrays it is computed
+    from (`Flow.origins`), and whether a factor of its multiple is one the data picks
+    (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -207,6 +214,7 @@ class _Var(NamedTuple):
     stepwise: bool = False
     weighted: frozenset[Weight] = frozenset()
     origins: frozenset[Origin] = _NO_ORIGINS
+    picked: bool = False
 
 
 _LITERAL = _Var()
@@ -306,7 +314,8 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
     name = _jax.name(eqn)
     through = name in _PASS_THROUGH and len(ins) == 1
     smooth, spread = _reduced(eqn, ins)
-    scaled = _own_leaf(ins[0][1]) if through or _broadcast(name, ins) else _scaled(name, got)
+    passes = through or _broadcast(name, ins)
+    scaled = _own_leaf(ins[0][1]) if passes else _scaled(name, got)
     if name in _SCALINGS and _size(_jax.out_aval(eqn)) == 1:
         # (a scalar product takes an operand's leaf only as a multiple of it, `0.9 * m`:
         # `wd * reg` weighs `wd`, it does not update it; `w * jnp.exp(-eta * losses)` does)
@@ -321,6 +330,7 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         _stepwise(name, got),
         _weighted(name, got),
         _NO_ORIGINS.union(*(x.origins for _, x in ins)),
+        scaled is not None and (ins[0][1].picked if passes else _picked(got)),
     )
     return [out] * len(_jax.outputs(eqn))
 
@@ -354,6 +364,12 @@ def _scaled(name: str, got: list[_Var]) -> str | None:
 
 
 _SCALINGS = frozenset({"mul", "div", "neg"})
+
+
+def _picked(got: list[_Var]) -> bool:
+    """Whether a multiple of an own leaf (`_scaled`) has a factor the data picks among
+    constants, there or in the multiple it scales (`_Var.picked`)."""
+    return any(x.picked or x.stepwise for x in got)
 
 
 def _stepwise(name: str, got: list[_Var]) -> bool:

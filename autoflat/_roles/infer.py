@@ -88,6 +88,7 @@ from .scalars import accumulated, counters, scalars_to_array, settle_scalars
 from .state_hazards import (
     check_state_at,
     has_named_parts,
+    refuse_away_from_place,
     refuse_changed_type,
     refuse_nested_state,
     refuse_passed_through,
@@ -506,6 +507,12 @@ class _Inference:
             refuse_changed_type(
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps, self._new_value_of,
+            )  # fmt: skip
+            refuse_away_from_place(
+                analysis, values, self.pending, self.given_back(counters=False),
+                self.open_positions, self.outputs, self._flow_of(first),
+                _matching.places([p for p in self.params if p in self._carried()], first),
+                first.names, num_steps,
             )  # fmt: skip
             per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_unlinked(

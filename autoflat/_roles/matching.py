@@ -168,12 +168,19 @@ def bare_at_place(
     sources = flow()[pos].sources
     name = name_at(names, pos)
     returned = f"`{name}`" if name is not None else "an expression"
-    link = (
-        f"It is computed from `{p}`, but neither its name nor its last operation says it is "
-        f"`{p}`'s new value"
-        if p in sources
-        else "Nothing else in the step links them"
-    )
+    if _picked_renamed(p, pos, flow, names):
+        link = (
+            f"It is `{p}` times a factor the step picks among constants (a warmup or a step "
+            f"schedule, `{p} * jnp.where(step < n, 0.1, 1.0)`), under a name of its own: the "
+            f"`{p}` this step used, given back to be logged, or the next step's `{p}`"
+        )
+    elif p in sources:
+        link = (
+            f"It is computed from `{p}`, but neither its name nor its last operation says it "
+            f"is `{p}`'s new value"
+        )
+    else:
+        link = "Nothing else in the step links them"
     raise error(
         OptionError,
         ARRAY_AT_ITS_PLACE,
@@ -231,12 +238,27 @@ def linked(
     bare array `p`: the last operation making it takes `p`'s array (`w - lr * g`), or its
     name shares a word with `p` (`new_v`, `v2`), or it is an expression computed from `p`
     (`jnp.clip(v + g, -1, 1)`) that does not weigh it by another value (`kd * temp**2`
-    logs a loss weighed by `temp`: `flow.Weight`)."""
+    logs a loss weighed by `temp`: `flow.Weight`). Not `p` times a factor the step picks
+    given back under a name of its own (`_picked_renamed`)."""
+    if _picked_renamed(p, pos, flow, names):
+        return False
     here = flow()[pos]
     if p in here.direct or named_after(p, pos, names):
         return True
     weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
     return name_at(names, pos) is None and p in here.sources and not weighed
+
+
+def _picked_renamed(
+    p: str, pos: int, flow: Callable[[], list[Flow]], names: tuple[str | None, ...]
+) -> bool:
+    """Whether return position `pos` is the bare array `p` times a factor the data picks
+    among constants (`Flow.picked`), under a name other than `p`'s or its new value's
+    (`renamed`): `lr_t = lr * jnp.where(step < 2, 0.1, 1.0)`, the warmed-up rate this step
+    used, logged, or a step schedule's next rate; `lr = lr * jnp.where(...)` and `new_lr`
+    say which."""
+    here = flow()[pos]
+    return here.picked == (p,) and name_at(names, pos) is not None and not renamed(p, pos, names)
 
 
 def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:

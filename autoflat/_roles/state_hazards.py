@@ -9,6 +9,9 @@ silently wrong. All with `num_steps > 1`, where a `lax.scan` carries state.
 - **State returned nested in an output**: `return (params, opt_state), loss` would take both
   as broadcast inputs, every step starting again from them; `state={"params": 0}` naming
   such a position.
+- **A bare array given back away from its place** (`refuse_away_from_place`): `return w,
+  loss, step + 1` for `(w, step, x)`, the position made by an operation taking its array;
+  matched only at its place, it would be broadcast. Names `state=` and `broadcast=`.
 - **A container whose new value changes its types** (bfloat16 parameters updated with a
   float32 rate, a tuple given back as a list): no `lax.scan` carry can.
 - **A container matched to a position by its type alone** (`refuse_unlinked`): a leaf there
@@ -30,6 +33,7 @@ from .._analysis.analysis import Analysis
 from .._errors import (
     PASSED_THROUGH,
     STATE_AT_NESTED,
+    STATE_AWAY_FROM_PLACE,
     STATE_NESTED,
     STATE_TYPE_CHANGED,
     STATE_UNLINKED,
@@ -39,7 +43,7 @@ from .._errors import (
 from .._transport.structure import is_array
 from .abstract import same_value
 from .flow import Flow, scalar_container
-from .matching import names_gradients
+from .matching import is_key, name_at, names_gradients
 from .options import Options
 
 
@@ -119,6 +123,44 @@ def _open_containers(
         for pos in positions:
             if pos not in taken:
                 yield p, pos
+
+
+def refuse_away_from_place(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    positions: list[int],
+    outputs: list[Any],
+    flow: Callable[[], list[Flow]],
+    places: dict[str, int],
+    names: tuple[str | None, ...],
+    num_steps: int,
+) -> None:
+    """A bare array left broadcast (matched at no position: a bare array only at its place)
+    where an open return position other than its place has its shape and dtype and is made
+    by an operation taking its own array (`step + 1` after a loss at its place): the step's
+    own evidence that the position is its new value, which broadcast every step would
+    discard (a step counter staying at its first value). Refused, with both fixes."""
+    taken = set(given_back.values())
+    for p in pending:
+        value = values[p]
+        if p in given_back or p not in places or not is_array(value) or is_key(value):
+            continue
+        for pos in positions:
+            if (
+                pos in taken
+                or pos == places[p]
+                or not same_value(value, outputs[pos])
+                or p not in flow()[pos].direct
+            ):
+                continue
+            name = name_at(names, pos)
+            raise error(
+                OptionError, STATE_AWAY_FROM_PLACE, analysis, param=p, pos=pos,
+                returned="an expression" if name is None else f"`{name}`", place=places[p],
+                num_steps=num_steps,
+            )  # fmt: skip
 
 
 def refuse_changed_type(

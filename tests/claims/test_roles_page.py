@@ -1578,15 +1578,88 @@ def test_a_container_matches_at_any_position():
 @claim(PAGE, "a bare array only at its own place among the parameters that could be state")
 def test_a_bare_array_is_matched_only_at_its_own_place():
     def update(a, x):
-        return jnp.sum(x * a), a * 2.0  # a's own place is 0; position 1 is alike
+        return jnp.sum(x * a), jnp.sin(a) * 2.0  # a's own place is 0; position 1 is alike
 
     xs = data(K, 3)
     step = autoflat.step(update, num_steps=K)
     sums, doubled = step(jnp.ones(3), xs)
     assert doubled.shape == (K, 3)  # a per-step output, stacked: `a` is not carried
-    tree_allclose(doubled, jnp.full((K, 3), 2.0))
+    tree_allclose(doubled, jnp.full((K, 3), 2.0 * np.sin(1.0)))
     tree_allclose(sums, jnp.sum(xs, axis=1), rtol=1e-5)
     assert role_line(step, "a").startswith("broadcast (")
+
+
+@claim(
+    PAGE,
+    'With `num_steps > 1`, a bare array left unmatched where another open position has its shape and dtype and is made by an operation taking its array (`return w, loss, step + 1` for `(w, step, x)`) is an `autoflat.OptionError` too, naming `state={"step": 2}` and `broadcast="step"`: broadcast, a step counter would stay at its first value.',
+)
+def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_about():
+    def counted(w, step, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - 0.1 * g, loss, step + 1  # step's place (1) holds the loss
+
+    def doubled(a, x):
+        return jnp.sum(x * a), a * 2.0
+
+    xs = data(K, 3)
+    args = (jnp.ones(3), jnp.int32(0), xs)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(counted, num_steps=K)(*args)
+    message = str(e.value)
+    assert "return position 2 (an expression) is made by an operation taking `step`'s" in message
+    assert 'state={"step": 2}' in message and 'broadcast="step"' in message
+    with pytest.raises(autoflat.OptionError, match=r'state=\{"a": 1\}'):
+        autoflat.step(doubled, num_steps=K)(jnp.ones(3), xs)
+    step = autoflat.step(counted, num_steps=K, state={"step": 2})
+    want = args[:2]
+    losses = []
+    for i in range(K):
+        w, loss, n = jax.jit(counted)(*want, xs[i])
+        want, losses = (w, n), [*losses, loss]
+    w, loss, n = step(*args)
+    tree_allclose((w, loss, n), (want[0], jnp.stack(losses), want[1]), rtol=1e-5)
+    assert int(n) == K
+    # at one step a call each position comes back as the body computed it: no question
+    assert int(autoflat.step(counted, num_steps=1)(jnp.ones(3), jnp.int32(0), xs[0])[2]) == 1
+
+
+@claim(
+    PAGE,
+    "and is not its array times a factor the step picks among constants under a name other than its own or its new value's (`lr_t = lr * jnp.where(step < 2, 0.1, 1.0)`, a warmed-up rate returned to be logged, or a step schedule's next rate; `lr = lr * jnp.where(...)`, `new_lr` or the expression itself at its place are carried)",
+)
+def test_a_rate_times_a_picked_factor_under_its_own_name_is_asked_about():
+    def warmup(w, lr, step, x):
+        lr_t = lr * jnp.where(step < 2, 0.1, 1.0)
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr_t * g, lr_t, step + 1
+
+    def decayed(w, lr, step, x):
+        lr = lr * jnp.where(step % 2 == 1, 0.5, 1.0)
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr * g, lr, step + 1
+
+    def decayed_new(w, lr, step, x):
+        new_lr = lr * jnp.where(step % 2 == 1, 0.5, 1.0)
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr * g, new_lr, step + 1
+
+    def decayed_inline(w, lr, step, x):
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr * g, lr * jnp.where(step % 2 == 1, 0.5, 1.0), step + 1
+
+    xs = data(K, 3)
+    start = (jnp.ones(3), jnp.float32(0.1), jnp.int32(0))
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(warmup, num_steps=K)(*start, xs)
+    assert "`lr` times a factor the step picks among constants" in str(e.value)
+    assert 'broadcast="lr"' in str(e.value)
+    for fn in (decayed, decayed_new, decayed_inline):
+        want = start
+        for i in range(K):
+            want = jax.jit(fn)(*want, xs[i])
+        step = autoflat.step(fn, num_steps=K)
+        tree_allclose(step(*start, xs), want, rtol=1e-5)
+        assert role_line(step, "lr").startswith("state ("), fn.__name__
 
 
 @jax.jit
@@ -3775,6 +3848,52 @@ def test_a_container_of_scalars_is_computed_from_its_own_leaves():
     for i in range(4):
         want = jax.jit(tracked)(*want, xs[i])
     tree_allclose(got, want)
+
+
+@claim(
+    PAGE,
+    "Nor does a leaf of the position that the step reads give way to a value computed from the model or the batch but not from that leaf (a TD error's square at `alpha`'s place beside `(gamma, alpha)`, the error computed from `gamma` and weighed into the values by `alpha`); a leaf made from its container's other leaves is a schedule (`(count + 1, schedule(count))`), and one the step does not read may take any value (`(count + 1, loss)`); else the same `autoflat.OptionError`.",
+)
+def test_a_read_leaf_of_scalars_giving_way_to_a_metric_is_asked_about():
+    def td(v, hp, x, r):  # TD(0) on linear values, the TD error logged beside the rates
+        gamma, alpha = hp
+        err = r[0] + gamma * (x[1] @ v) - x[0] @ v
+        return v + alpha * err * x[0], (jnp.abs(err), err**2)
+
+    def scheduled(w, st, x, r):
+        count, lr = st
+        g = jax.grad(lambda w: jnp.sum((w * x[0] - r[0]) ** 2))(w)
+        count = count + 1
+        return w - lr * g, (count, 0.1 / jnp.sqrt(count.astype(jnp.float32)))
+
+    def tracked(w, st, x, r):
+        count, _ = st
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x[0] - r[0]) ** 2))(w)
+        return w - 0.1 * g, (count + 1, loss)
+
+    xs, rs = data(K, 2, 3), data(K, 3, seed=1)
+    hp = (jnp.float32(0.9), jnp.float32(0.1))
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(td, num_steps=K)(jnp.ones(3), hp, xs, rs)
+    message = str(e.value)
+    assert "its leaf at `[1]` is not computed from `hp[1]`, which the step reads" in message
+    assert 'broadcast="hp"' in message and 'state={"hp": 1}' in message
+    got = autoflat.step(td, num_steps=K, broadcast="hp")(jnp.ones(3), hp, xs, rs)
+    v, outs = jnp.ones(3), []
+    for i in range(K):
+        v, out = jax.jit(td)(v, hp, xs[i], rs[i])
+        outs.append(out)
+    tree_allclose(got, (v, jax.tree.map(lambda *o: jnp.stack(o), *outs)), rtol=1e-5)
+    for fn, st in (
+        (scheduled, (jnp.int32(1), jnp.float32(0.1))),
+        (tracked, (jnp.int32(0), jnp.float32(0.0))),
+    ):
+        want = (jnp.ones(3), st)
+        for i in range(K):
+            want = jax.jit(fn)(*want, xs[i], rs[i])
+        step = autoflat.step(fn, num_steps=K)
+        tree_allclose(step(jnp.ones(3), st, xs, rs), want, rtol=1e-5)
+        assert role_line(step, "st").startswith("state (matched by value"), fn.__name__
 
 
 @claim(
