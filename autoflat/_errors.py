@@ -403,8 +403,8 @@ and position {pos} is stacked. Say which:
 """
 
 STATE_AWAY_FROM_PLACE = """\
-`{name}` ({where}): return position {pos} ({returned}) is made by an operation taking \
-`{param}`'s own array and has its shape and dtype, but is not at `{param}`'s place among the \
+`{name}` ({where}): return position {pos} ({returned}) is {how} and has its shape and \
+dtype, but is not at `{param}`'s place among the \
 returns (position {place}: its rank among the parameters that could be state, those named \
 broadcast= left out), where a bare array is matched. With num_steps={num_steps} the reading \
 matters: as state, each step starts from what the one before gave back at position {pos}; as \

@@ -2323,6 +2323,65 @@ def test_a_step_schedule_on_a_rate_given_back_as_its_new_value_is_carried(fn):
     tree_allclose(step(*args), _rate_loop(fn, True))
 
 
+def _reg_strength(w, reg_strength, x, y):  # (the penalty logged at its weight's place)
+    def total(w):
+        reg = jnp.sum(w**2)
+        return jnp.mean((x @ w - y) ** 2) + reg_strength * reg, reg
+
+    (loss, reg), g = jax.value_and_grad(total, has_aux=True)(w)
+    return w - 0.1 * g, reg, loss
+
+
+def _grad_clip(w, grad_clip, x, y):  # (the gradient norm logged at the threshold's place)
+    loss, g = _scalar_loss(w, x, y)
+    grad_norm = jnp.linalg.norm(g)
+    return w - 0.1 * g * jnp.minimum(1.0, grad_clip / grad_norm), grad_norm, loss
+
+
+def _best_loss(w, best_loss, x, y):  # (the loss at the best loss's place, the best after it)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, loss, jnp.minimum(best_loss, loss)
+
+
+def _clipped_velocity(w, v, x, y):  # (the new velocity after the loss)
+    loss, g = _scalar_loss(w, x, y)
+    vel = jnp.clip(0.9 * v - 0.1 * g, -1.0, 1.0)
+    return w + vel, loss, vel
+
+
+@pytest.mark.parametrize(
+    ("fn", "name", "fix", "start"),
+    [
+        (_reg_strength, "reg_strength", {"broadcast": "reg_strength"}, jnp.float32(0.1)),
+        (_grad_clip, "grad_clip", {"broadcast": "grad_clip"}, jnp.float32(1.0)),
+        (_best_loss, "best_loss", {"state": {"best_loss": 2}}, jnp.float32(9.0)),
+        (_clipped_velocity, "v", {"state": {"v": 2}}, jnp.zeros(3)),
+    ],
+)
+def test_a_bare_array_beside_a_value_only_sharing_a_word_or_away_from_its_place_is_asked_about(
+    fn, name, fix, start
+):
+    """A review's silent wrong results at num_steps > 1: a value at a bare array's place
+    whose name only shares a word with it (`reg` for `reg_strength`, `grad_norm` for
+    `grad_clip`, `loss` for `best_loss`) was carried as its new value; a new value given
+    back after the loss but not made by an addition (`jnp.clip(0.9 * v - 0.1 * g, -1, 1)`)
+    left it broadcast. Now each is the error naming the fix, which equals `jax.jit`."""
+    w0 = jnp.ones(3)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    [(option, value)] = fix.items()
+    assert (f'broadcast="{name}"' if option == "broadcast" else f'"{name}": 2') in str(e.value)
+    step = autoflat.step(fn, num_steps=4, **fix)
+    w, p, outs = w0, start, []
+    for i in range(4):
+        w, a, b = jax.jit(fn)(w, p, _SCALARS_XS[i], _SCALARS_YS[i])
+        outs.append((a, b))
+        p = b if option == "state" else p
+    stacked = [jnp.stack(o) for o in zip(*outs, strict=True)]
+    want = (w, *stacked) if option == "broadcast" else (w, stacked[0], p)
+    tree_allclose(step(w0, start, _SCALARS_XS, _SCALARS_YS), want)
+
+
 def _distill_step(student, opt_state, teacher, x, y, distill_weight=0.5):
     t = x @ teacher
 

@@ -36,8 +36,10 @@ class Flow(NamedTuple):
     parameters whose own leaves the last operation making it takes (`takes`), and the leaves
     of containers of scalar arrays it is computed from (`origins`: `(p, j)` for leaf `j` of
     `p`; `gamma` of `(gamma, alpha)`, not `alpha`, in a TD error `r + gamma * v[s2] - v[s]`),
-    and the parameter it is an own leaf of times a factor the data picks among constants
-    (`picked`: `lr * jnp.where(step < warmup, 0.1, 1.0)`), or None.
+    the parameter it is an own leaf of times a factor the data picks among constants
+    (`picked`: `lr * jnp.where(step < warmup, 0.1, 1.0)`, `jnp.where(step < 2, lr * 0.1,
+    lr)`), or None, and whether the step also computes other values from it (`reused`: `lr_t`
+    in `w - lr_t * g`).
     """
 
     sources: frozenset[str]
@@ -49,6 +51,7 @@ class Flow(NamedTuple):
     takes: tuple[frozenset[str], ...]  # per leaf, `direct` (not a leaf given back as it came)
     origins: tuple[frozenset[Origin], ...]
     picked: tuple[str | None, ...]
+    reused: tuple[bool, ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -135,6 +138,7 @@ def _flows(
         for j, _ in enumerate(a)
     ]
     walked = _walk(jaxpr, seeds, last)
+    reused = _reused(jaxpr)
     result = []
     at = 0
     for traced in kinds:
@@ -155,9 +159,26 @@ def _flows(
                 tuple(
                     None if i is None or not walked[i].picked else walked[i].scaled for i in at_leaf
                 ),
+                tuple(i is not None and reused[i] for i in at_leaf),
             )
         )
     return result
+
+
+def _reused(jaxpr: Any) -> list[bool]:
+    """Per output of `jaxpr`, whether an operation of it takes that output (or what a cast or
+    reshape made it from) as an operand: a value the step computes with, not only returns."""
+    taken = {v for eqn in _jax.equations(jaxpr) for v in _jax.inputs(eqn) if not _jax.is_literal(v)}
+    made_from = {
+        out: _jax.inputs(eqn)[0]
+        for eqn in _jax.equations(jaxpr)
+        if _jax.name(eqn) in _PASS_THROUGH
+        for out in _jax.outputs(eqn)
+    }
+    return [
+        not _jax.is_literal(v) and (v in taken or made_from.get(v) in taken)
+        for v in _jax.outputs(jaxpr)
+    ]
 
 
 def scalar_container(value: Any) -> bool:
@@ -330,7 +351,7 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         _stepwise(name, got),
         _weighted(name, got),
         _NO_ORIGINS.union(*(x.origins for _, x in ins)),
-        scaled is not None and (ins[0][1].picked if passes else _picked(got)),
+        scaled is not None and (ins[0][1].picked if passes else _picked(name, got)),
     )
     return [out] * len(_jax.outputs(eqn))
 
@@ -352,7 +373,11 @@ def _fixed(x: _Var) -> bool:
 def _scaled(name: str, got: list[_Var]) -> str | None:
     """The parameter whose own leaf (`_Var.root`) an operation's output is a constant
     multiple of: a product or quotient of it and constants, or values the data only picks
-    between (`0.9 * m`, `m / 2`, `lr * jnp.where(better, 1.05, 0.5)`), or its negation."""
+    between (`0.9 * m`, `m / 2`, `lr * jnp.where(better, 1.05, 0.5)`), or its negation, or a
+    select between such multiples of it (`jnp.where(step < 2, lr * 0.1, lr)`)."""
+    if name == "select_n" and len(got) > 2:
+        owners = {_own_leaf(x) for x in got[1:]}
+        return owners.pop() if len(owners) == 1 else None
     if name not in _SCALINGS or not got:
         return None
     own = [i for i, x in enumerate(got) if not _fixed(x)]
@@ -366,9 +391,12 @@ def _scaled(name: str, got: list[_Var]) -> str | None:
 _SCALINGS = frozenset({"mul", "div", "neg"})
 
 
-def _picked(got: list[_Var]) -> bool:
+def _picked(name: str, got: list[_Var]) -> bool:
     """Whether a multiple of an own leaf (`_scaled`) has a factor the data picks among
-    constants, there or in the multiple it scales (`_Var.picked`)."""
+    constants, there or in the multiple it scales (`_Var.picked`): a select by a predicate
+    computed from the data picks."""
+    if name == "select_n":
+        return bool(got[0].sources) or any(x.picked for x in got[1:])
     return any(x.picked or x.stepwise for x in got)
 
 

@@ -508,12 +508,6 @@ class _Inference:
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps, self._new_value_of,
             )  # fmt: skip
-            refuse_away_from_place(
-                analysis, values, self.pending, self.given_back(counters=False),
-                self.open_positions, self.outputs, self._flow_of(first),
-                _matching.places([p for p in self.params if p in self._carried()], first),
-                first.names, num_steps,
-            )  # fmt: skip
             per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_unlinked(
                 analysis, values, self.by_value, self.outputs, self._flow_of(first),
@@ -527,6 +521,12 @@ class _Inference:
                 analysis, self.options, values, self.returned_at,
                 _matching.places(carried, first), num_steps,
             )  # fmt: skip
+            if num_steps > 1 and self.outputs:
+                refuse_away_from_place(
+                    analysis, values, self.pending, self.given_back(counters=False),
+                    self.open_positions, self.outputs, self._flow_of(first),
+                    _matching.places(carried, first), first.names, self._gradients(), num_steps,
+                )  # fmt: skip
         for p in self.counters:
             self.for_eval[p] = "state"
         given_back = self.given_back()

@@ -236,14 +236,15 @@ def linked(
 ) -> bool:
     """Whether more than its place says return position `pos` may be the new value of the
     bare array `p`: the last operation making it takes `p`'s array (`w - lr * g`), or its
-    name shares a word with `p` (`new_v`, `v2`), or it is an expression computed from `p`
+    name is `p`'s new one (`named_for`: `new_v`, `v2`, `loss` for `prev_loss`; not `kl` for
+    `kl_weight`), or it is an expression computed from `p`
     (`jnp.clip(v + g, -1, 1)`) that does not weigh it by another value (`kd * temp**2`
     logs a loss weighed by `temp`: `flow.Weight`). Not `p` times a factor the step picks
     given back under a name of its own (`_picked_renamed`)."""
     if _picked_renamed(p, pos, flow, names):
         return False
     here = flow()[pos]
-    if p in here.direct or named_after(p, pos, names):
+    if p in here.direct or named_for(p, pos, names):
         return True
     weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
     return name_at(names, pos) is None and p in here.sources and not weighed
@@ -253,12 +254,38 @@ def _picked_renamed(
     p: str, pos: int, flow: Callable[[], list[Flow]], names: tuple[str | None, ...]
 ) -> bool:
     """Whether return position `pos` is the bare array `p` times a factor the data picks
-    among constants (`Flow.picked`), under a name other than `p`'s or its new value's
-    (`renamed`): `lr_t = lr * jnp.where(step < 2, 0.1, 1.0)`, the warmed-up rate this step
-    used, logged, or a step schedule's next rate; `lr = lr * jnp.where(...)` and `new_lr`
-    say which."""
+    among constants (`Flow.picked`), which the step also computes with (`Flow.reused`),
+    under a name other than `p`'s or its new value's (`renamed`): `lr_t = lr *
+    jnp.where(step < 2, 0.1, 1.0)` used in the update, the warmed-up rate this step used,
+    logged, or a step schedule's next rate; `lr = lr * jnp.where(...)` and `new_lr` say
+    which, and a value only returned (`decayed_lr`, `loss_scale`) is the next one."""
     here = flow()[pos]
-    return here.picked == (p,) and name_at(names, pos) is not None and not renamed(p, pos, names)
+    return (
+        here.picked == (p,)
+        and here.reused == (True,)
+        and name_at(names, pos) is not None
+        and not renamed(p, pos, names)
+    )
+
+
+def named_for(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether return position `pos` is `p`'s name for its new value (`renamed`: `v`,
+    `new_v`, `v2`) or `p`'s name without a word for previous (`loss` for `prev_loss`, `g` for
+    `last_g`): stricter than `named_after`, where a shared word alone (`kl` for `kl_weight`,
+    `loss` for `loss_scale` or `best_loss`) says nothing."""
+    name = name_at(names, pos)
+    if name is None:
+        return False
+    if renamed(p, pos, names):
+        return True
+    words = [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+    kept = [w for w in words if w not in _OLD]
+    return len(kept) < len(words) and kept == [
+        w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW
+    ]
+
+
+_OLD = frozenset({"prev", "previous", "last", "old", "past"})
 
 
 def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:

@@ -10,8 +10,8 @@ silently wrong. All with `num_steps > 1`, where a `lax.scan` carries state.
   as broadcast inputs, every step starting again from them; `state={"params": 0}` naming
   such a position.
 - **A bare array given back away from its place** (`refuse_away_from_place`): `return w,
-  loss, step + 1` for `(w, step, x)`, the position made by an operation taking its array;
-  matched only at its place, it would be broadcast. Names `state=` and `broadcast=`.
+  loss, step + 1` for `(w, step, x)`, the position computed from it; matched only at its
+  place, it would be broadcast. Names `state=` and `broadcast=`.
 - **A container whose new value changes its types** (bfloat16 parameters updated with a
   float32 rate, a tuple given back as a list): no `lax.scan` carry can.
 - **A container matched to a position by its type alone** (`refuse_unlinked`): a leaf there
@@ -135,31 +135,42 @@ def refuse_away_from_place(
     flow: Callable[[], list[Flow]],
     places: dict[str, int],
     names: tuple[str | None, ...],
+    gradients: dict[int, set[str]],
     num_steps: int,
 ) -> None:
     """A bare array left broadcast (matched at no position: a bare array only at its place)
-    where an open return position other than its place has its shape and dtype and is made
-    by an operation taking its own array (`step + 1` after a loss at its place): the step's
-    own evidence that the position is its new value, which broadcast every step would
-    discard (a step counter staying at its first value). Refused, with both fixes."""
+    where an open return position other than its place has its shape and dtype and is
+    computed from it (`step + 1`, `(step + 1) % n`, `jnp.clip(0.9 * v - g, -1, 1)` after a
+    loss at its place): maybe its new value, which broadcast every step would discard (a
+    step counter staying at its first value). Not where the position gives it back as it
+    came (carried or not, the same values), weighs it by another value (`g * scale`), or
+    holds gradients taken at it (`gradients`). Refused, with both fixes."""
     taken = set(given_back.values())
     for p in pending:
         value = values[p]
         if p in given_back or p not in places or not is_array(value) or is_key(value):
             continue
         for pos in positions:
+            here = flow()[pos] if pos not in taken and pos != places[p] else None
             if (
-                pos in taken
-                or pos == places[p]
+                here is None
                 or not same_value(value, outputs[pos])
-                or p not in flow()[pos].direct
+                or p not in here.sources
+                or here.owners == (p,)
+                or p in gradients.get(pos, ())
+                or any(w.param == p for ws in here.weighted for w in ws)
             ):
                 continue
             name = name_at(names, pos)
+            how = (
+                f"made by an operation taking `{p}`'s own array"
+                if p in here.direct
+                else f"computed from `{p}`"
+            )
             raise error(
                 OptionError, STATE_AWAY_FROM_PLACE, analysis, param=p, pos=pos,
-                returned="an expression" if name is None else f"`{name}`", place=places[p],
-                num_steps=num_steps,
+                returned="an expression" if name is None else f"`{name}`", how=how,
+                place=places[p], num_steps=num_steps,
             )  # fmt: skip
 
 

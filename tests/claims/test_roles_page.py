@@ -1578,20 +1578,20 @@ def test_a_container_matches_at_any_position():
 @claim(PAGE, "a bare array only at its own place among the parameters that could be state")
 def test_a_bare_array_is_matched_only_at_its_own_place():
     def update(a, x):
-        return jnp.sum(x * a), jnp.sin(a) * 2.0  # a's own place is 0; position 1 is alike
+        return jnp.sum(x * a), x[0] * a  # a's own place is 0; position 1 is alike
 
     xs = data(K, 3)
     step = autoflat.step(update, num_steps=K)
-    sums, doubled = step(jnp.ones(3), xs)
-    assert doubled.shape == (K, 3)  # a per-step output, stacked: `a` is not carried
-    tree_allclose(doubled, jnp.full((K, 3), 2.0 * np.sin(1.0)))
+    sums, weighed = step(jnp.ones(3), xs)
+    assert weighed.shape == (K, 3)  # a per-step output, stacked: `a` is not carried
+    tree_allclose(weighed, xs[:, :1] * jnp.ones((K, 3)))
     tree_allclose(sums, jnp.sum(xs, axis=1), rtol=1e-5)
     assert role_line(step, "a").startswith("broadcast (")
 
 
 @claim(
     PAGE,
-    'With `num_steps > 1`, a bare array left unmatched where another open position has its shape and dtype and is made by an operation taking its array (`return w, loss, step + 1` for `(w, step, x)`) is an `autoflat.OptionError` too, naming `state={"step": 2}` and `broadcast="step"`: broadcast, a step counter would stay at its first value.',
+    'With `num_steps > 1`, a bare array left unmatched where another open position has its shape and dtype and is computed from it (`return w, loss, step + 1` for `(w, step, x)`; not given back as it came, weighed by another value, `g * scale`, or gradients taken at it) is an `autoflat.OptionError` too, naming `state={"step": 2}` and `broadcast="step"`: broadcast, a step counter would stay at its first value.',
 )
 def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_about():
     def counted(w, step, x):
@@ -1600,6 +1600,14 @@ def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_abo
 
     def doubled(a, x):
         return jnp.sum(x * a), a * 2.0
+
+    def wrapped(w, step, x):  # (a counter wrapped: computed from it, not by an addition)
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - 0.1 * g, loss, (step + 1) % 3
+
+    def scaled_back(w, scale, x):  # (weighed by another value: a per-step output)
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((w * scale * x - 1.0) ** 2))(w)
+        return w - 0.1 * g, loss, g * scale
 
     xs = data(K, 3)
     args = (jnp.ones(3), jnp.int32(0), xs)
@@ -1610,6 +1618,15 @@ def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_abo
     assert 'state={"step": 2}' in message and 'broadcast="step"' in message
     with pytest.raises(autoflat.OptionError, match=r'state=\{"a": 1\}'):
         autoflat.step(doubled, num_steps=K)(jnp.ones(3), xs)
+    with pytest.raises(autoflat.OptionError, match=r"is computed from `step`"):
+        autoflat.step(wrapped, num_steps=K)(*args)
+    w, scale, outs = jnp.ones(3), jnp.full(3, 0.5), []
+    for i in range(K):
+        w, *out = jax.jit(scaled_back)(w, scale, xs[i])
+        outs.append(out)
+    want = (w, *(jnp.stack(o) for o in zip(*outs, strict=True)))
+    got = autoflat.step(scaled_back, num_steps=K)(jnp.ones(3), scale, xs)
+    tree_allclose(got, want, rtol=1e-5)
     step = autoflat.step(counted, num_steps=K, state={"step": 2})
     want = args[:2]
     losses = []
@@ -1625,7 +1642,7 @@ def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_abo
 
 @claim(
     PAGE,
-    "and is not its array times a factor the step picks among constants under a name other than its own or its new value's (`lr_t = lr * jnp.where(step < 2, 0.1, 1.0)`, a warmed-up rate returned to be logged, or a step schedule's next rate; `lr = lr * jnp.where(...)`, `new_lr` or the expression itself at its place are carried)",
+    "and is not its array times a factor the step picks among constants, which the step also computes with, under a name other than its own or its new value's (`lr_t = lr * jnp.where(step < 2, 0.1, 1.0)` used in `w - lr_t * g`: a warmed-up rate returned to be logged, or a step schedule's next rate; `lr = lr * jnp.where(...)`, `new_lr`, the expression itself at its place, or a value only returned, `decayed_lr`, are carried)",
 )
 def test_a_rate_times_a_picked_factor_under_its_own_name_is_asked_about():
     def warmup(w, lr, step, x):
@@ -1647,13 +1664,24 @@ def test_a_rate_times_a_picked_factor_under_its_own_name_is_asked_about():
         g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
         return w - lr * g, lr * jnp.where(step % 2 == 1, 0.5, 1.0), step + 1
 
+    def decayed_only_returned(w, lr, step, x):
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        decayed_lr = lr * jnp.where(step % 2 == 1, 0.5, 1.0)
+        return w - lr * g, decayed_lr, step + 1
+
+    def warmup_selected(w, lr, step, x):  # (the same warmup as a select between multiples)
+        lr_t = jnp.where(step < 2, lr * 0.1, lr)
+        g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - lr_t * g, lr_t, step + 1
+
     xs = data(K, 3)
     start = (jnp.ones(3), jnp.float32(0.1), jnp.int32(0))
-    with pytest.raises(autoflat.OptionError) as e:
-        autoflat.step(warmup, num_steps=K)(*start, xs)
-    assert "`lr` times a factor the step picks among constants" in str(e.value)
-    assert 'broadcast="lr"' in str(e.value)
-    for fn in (decayed, decayed_new, decayed_inline):
+    for fn in (warmup, warmup_selected):
+        with pytest.raises(autoflat.OptionError) as e:
+            autoflat.step(fn, num_steps=K)(*start, xs)
+        assert "`lr` times a factor the step picks among constants" in str(e.value)
+        assert 'broadcast="lr"' in str(e.value)
+    for fn in (decayed, decayed_new, decayed_inline, decayed_only_returned):
         want = start
         for i in range(K):
             want = jax.jit(fn)(*want, xs[i])
@@ -1724,7 +1752,10 @@ def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
             ), (fn.__name__, name)
 
 
-@claim(PAGE, "or the returned name shares a word with it (`new_v`, `v2`, `loss` for `prev_loss`)")
+@claim(
+    PAGE,
+    "or the returned name is its own, with a word for new, or without a word for previous (`new_v`, `v2`, `loss` for `prev_loss`; a name only sharing a word, `kl` beside `kl_weight` or `loss` beside `loss_scale`, says nothing)",
+)
 def test_a_bare_array_whose_returned_name_shares_a_word_is_matched():
     def halved(v, x):  # shape (3,): `v2` shares a word with `v`
         v2 = v * 0.5 + x.sum()
@@ -1754,6 +1785,29 @@ def test_a_bare_array_whose_returned_name_shares_a_word_is_matched():
         assert role_line(step, name) == (
             f"state (matched by value to return position {pos}) [rule: matched-by-value]"
         ), fn.__name__
+
+    def weighted(w, kl_weight, x):  # (`kl` at `kl_weight`'s place: a metric, not its value)
+        (loss, kl), g = jax.value_and_grad(
+            lambda w: (jnp.sum((w * x - 1.0) ** 2) + kl_weight * jnp.sum(w**2), jnp.sum(w**2)),
+            has_aux=True,
+        )(w)
+        return w - 0.1 * g, kl, loss
+
+    def scaled(w, loss_scale, x):
+        loss, g = jax.value_and_grad(lambda w: loss_scale * jnp.sum((w * x - 1.0) ** 2))(w)
+        return w - 0.1 * g / loss_scale, loss / loss_scale
+
+    for fn, name in ((weighted, "kl_weight"), (scaled, "loss_scale")):
+        with pytest.raises(autoflat.OptionError) as e:
+            autoflat.step(fn, num_steps=K)(jnp.zeros(3), jnp.float32(0.5), xs[:K])
+        assert f'broadcast="{name}"' in str(e.value), fn.__name__
+        step = autoflat.step(fn, num_steps=K, broadcast=name)
+        w, outs = jnp.zeros(3), []
+        for i in range(K):
+            w, *out = jax.jit(fn)(w, jnp.float32(0.5), xs[i])
+            outs.append(out)
+        want = (w, *(jnp.stack(o) for o in zip(*outs, strict=True)))
+        tree_allclose(step(jnp.zeros(3), jnp.float32(0.5), xs[:K]), want, rtol=1e-5)
 
 
 @claim(
