@@ -3,7 +3,21 @@ import os
 # Eight CPU devices for the sharding tests; set before JAX starts a backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402,F401  (strict dtype promotion is off: optax itself promotes int32 counts with Python floats)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import jax  # noqa: E402  (strict dtype promotion is off: optax itself promotes int32 counts with Python floats)
+
+# The suite compiles many identical programs (the same small models and reference loops in
+# many tests): an XLA compilation cache for this run alone compiles each once. A fresh folder
+# each run, removed at exit, so no run reuses another's compiles; unless the caller chose one.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _cache = tempfile.mkdtemp(prefix="autoflat-tests-xla-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_report_header(config):
