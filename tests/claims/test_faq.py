@@ -515,7 +515,7 @@ def _decayed(w, lr, g):
 
 @claim(
     FAQ,
-    "A name that shares a word with the parameter (`prev_loss` and `loss`), an expression computed from it, or a last operation that takes its array (`w - lr * g`) settles it without asking.",
+    "The parameter's own name, its new one or it without a word for previous (`new_v`, `loss` for `prev_loss`; a name only sharing a word, `kl` beside `kl_weight`, does not), an expression computed from it, or a last operation that takes its array (`w - lr * g`) settles it without asking.",
 )
 def test_names_expressions_and_data_flow_settle_it():
     xs = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)
@@ -532,6 +532,16 @@ def test_names_expressions_and_data_flow_settle_it():
         for i in range(2):
             ref = jax.jit(fn)(*ref, xs[i])
         tree_allclose(got, ref)
+
+    def weighted(w, kl_weight, x):  # (`kl` only shares a word with `kl_weight`: it asks)
+        (_, kl), g = jax.value_and_grad(
+            lambda w: (jnp.sum((w - x) ** 2) + kl_weight * jnp.sum(w**2), jnp.sum(w**2)),
+            has_aux=True,
+        )(w)
+        return w - 0.1 * g, kl
+
+    with pytest.raises(autoflat.OptionError, match='broadcast="kl_weight"'):
+        autoflat.step(weighted, num_steps=2)(jnp.ones(3), jnp.asarray(0.5), xs)
 
 
 # ==========================================================================================
