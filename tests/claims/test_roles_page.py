@@ -1593,7 +1593,7 @@ def test_a_bare_array_is_matched_only_at_its_own_place():
     PAGE,
     'With `num_steps > 1`, a bare array left unmatched where another open position has its shape and dtype and is computed from it (`return w, loss, step + 1` for `(w, step, x)`; not given back as it came, weighed by another value, `g * scale`, or gradients taken at it) is an `autoflat.OptionError` too, naming `state={"step": 2}` and `broadcast="step"`: broadcast, a step counter would stay at its first value.',
 )
-def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_about():
+def test_a_bare_array_computed_from_away_from_its_place_is_asked_about():
     def counted(w, step, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
         return w - 0.1 * g, loss, step + 1  # step's place (1) holds the loss
@@ -1644,7 +1644,7 @@ def test_a_bare_array_made_by_its_own_operation_away_from_its_place_is_asked_abo
     PAGE,
     "and is not its array times a factor the step picks among constants, which the step also computes with, under a name other than its own or its new value's (`lr_t = lr * jnp.where(step < 2, 0.1, 1.0)` used in `w - lr_t * g`: a warmed-up rate returned to be logged, or a step schedule's next rate; `lr = lr * jnp.where(...)`, `new_lr`, the expression itself at its place, or a value only returned, `decayed_lr`, are carried)",
 )
-def test_a_rate_times_a_picked_factor_under_its_own_name_is_asked_about():
+def test_a_rate_times_a_picked_factor_under_a_name_of_its_own_is_asked_about():
     def warmup(w, lr, step, x):
         lr_t = lr * jnp.where(step < 2, 0.1, 1.0)
         g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
