@@ -1593,7 +1593,7 @@ def test_a_bare_array_is_matched_only_at_its_own_place():
     PAGE,
     'With `num_steps > 1`, a bare array left unmatched where another open position has its shape and dtype and is computed from it (`return w, loss, step + 1` for `(w, step, x)`; not given back as it came, weighed by another value, `g * scale`, or gradients taken at it) is an `autoflat.OptionError` too, naming `state={"step": 2}` and `broadcast="step"`: broadcast, a step counter would stay at its first value.',
 )
-def test_a_bare_array_computed_from_away_from_its_place_is_asked_about():
+def test_a_bare_array_given_back_away_from_its_place_is_asked_about():
     def counted(w, step, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
         return w - 0.1 * g, loss, step + 1  # step's place (1) holds the loss
