@@ -255,6 +255,18 @@ locally (as under jax.jit)
 {num_steps}
 """
 
+RETURNED_PER_STEP = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` is returned by name (return \
+position {pos}), which makes it state; the body never changes it, so carried as state it \
+would come back as it came in, and each step would see all {num_steps} steps' values. But \
+every array of `{param}` has a leading axis of {num_steps}, as a per-step input has \
+(returned to log it?). Say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")   # each step its slice; \
+position {pos} stacks them (as given)
+    @autoflat.step(num_steps={num_steps}, state="{param}")      # the whole array every step
+"""
+
 MIXED_ARGUMENT = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
 leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \
@@ -371,10 +383,13 @@ and `{other}` takes the old `{param}` (a previous value kept for momentum or loo
 STATE_NESTED = """\
 `{name}` ({where}): `{param}` comes back inside return position {pos}, at `{path}`, not at a \
 position of its own. With num_steps={num_steps}, autoflat carries state from one step to the \
-next only at top-level return positions: `{param}` would be taken as a broadcast input, and \
-every step would start again from the value you passed in. Return it at its own position:
+next only at return positions (the returned tuple's items, and the items of a tuple written \
+in it with a parameter's name among them): `{param}` would be taken as a broadcast input, and \
+every step would start again from the value you passed in. Return it at its own position, or \
+under its parameter's name in the tuple written there:
 
     return {param}, ...
+    return ({param}, ...), ...
 
 (and unpack the call's result the same way), or use num_steps=1.
 """

@@ -626,23 +626,104 @@ def test_a_per_step_array_mapped_to_a_per_step_output_is_not_asked_about():
     np.testing.assert_allclose(w, 12.0)
 
 
-def test_state_returned_nested_in_a_tuple_is_refused_at_k_steps():
-    """`return (params, opt_state), loss`: the two were taken as broadcast inputs, and at
-    num_steps=4 every step restarted from the params passed in, silently (losses [1, 1, 1,
-    1], params stacked four times). At num_steps=1 the call is right (the values come back
-    as outputs), as under jax.jit."""
+@pytest.mark.parametrize("k", [1, 4])
+def test_state_returned_by_name_inside_a_written_tuple(k):
+    """`return (params, opt_state), loss`: the tuple written with the parameters' names is
+    looked into, its items return positions of their own; the call returns the value nested
+    as written, equal to a Python loop over jax.jit. Before, the two were broadcast: at
+    num_steps=4 an OptionError (STATE_NESTED), at 1 plain outputs, not handles."""
     tx = optax.adam(0.1)
 
     def update(params, opt_state, x):
         loss, grads = jax.value_and_grad(lambda p: jnp.mean((x * p["w"] - 1.0) ** 2))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
+        if x.shape[0] > 8:  # a second return, nested alike
+            return (params, opt_state), loss
         params = optax.apply_updates(params, updates)
         return (params, opt_state), loss
 
     params = {"w": jnp.zeros(3)}
+    xs = jax.random.normal(jax.random.key(0), (8, 3))
+    step = autoflat.step(update, num_steps=k)
+    p, o = params, tx.init(params)
+    losses = []
+    for i in range(0, 8, k):
+        (p, o), loss = step(p, o, xs[i : i + k] if k > 1 else xs[i])
+        losses.append(np.atleast_1d(loss))
+    ref = jax.jit(update)
+    rp, ro, rl = params, tx.init(params), []
+    for i in range(8):
+        (rp, ro), loss = ref(rp, ro, xs[i])
+        rl.append(loss)
+    tree_allclose((p, o), (rp, ro), rtol=1e-6)
+    np.testing.assert_allclose(np.concatenate(losses), rl, rtol=1e-6)
+    assert isinstance(p, autoflat.LazyHandle) and isinstance(o, autoflat.LazyHandle)
+    assert autoflat.stats(step).traces == 1
+    text = autoflat.show(step)
+    stacked = " (stacked)" if k > 1 else ""
+    assert f"# returns: ((state params, state opt_state), output{stacked})" in text
+    assert "# params: state (returned) [rule: returned-by-name]" in text
+    assert (
+        "return (_af_flatten(_af_spec, 0, params), _af_flatten(_af_spec, 1, opt_state)), (loss,)"
+        in text
+    )
+
+
+def test_a_per_step_input_returned_by_name_as_it_came_is_asked_about():
+    """`return w, w.sum(), x` with `x` per-step at num_steps=4: returned by name, `x` was state
+    carried unchanged, so every step saw the whole chunk (w -10.2 where a jax.jit loop over
+    the slices gives -1.8), silently. The body never changes it and its leading axis is
+    num_steps: a ShapeError naming `per_step=` and `state=`, each then as it says."""
+
+    def update(w, x):
+        w = w - 0.1 * x.sum()
+        return w, w.sum(), x
+
+    xs = jnp.arange(8.0).reshape(4, 2)
+    with pytest.raises(
+        autoflat.ShapeError,
+        match=r"`x` is returned by name \(return position 2\), which makes it state; the body "
+        r"never changes it.*\n\n.*per_step=\"x\".*\n.*state=\"x\"",
+    ):
+        autoflat.step(update, num_steps=4)(jnp.ones(3), xs)
+    w, sums, x = autoflat.step(update, num_steps=4, per_step="x")(jnp.ones(3), xs)
+    rw = jnp.ones(3)
+    for i in range(4):
+        rw, _, _ = jax.jit(update)(rw, xs[i])
+    np.testing.assert_allclose(w, rw, rtol=1e-6)
+    np.testing.assert_array_equal(x, xs)  # the slices stacked
+    w, _, x = autoflat.step(update, num_steps=4, state="x")(jnp.ones(3), xs)
+    np.testing.assert_allclose(w, 1.0 - 4 * 0.1 * 28.0, rtol=1e-6)  # the whole chunk each step
+
+    # Changed by the body, or not all of leading axis num_steps: state, as rule 2 says.
+    def grown(w, x):
+        x = x + w.sum()
+        return w * 0.5, x
+
+    w, x = autoflat.step(grown, num_steps=4)(jnp.ones(3), jnp.zeros((4, 2)))
+    np.testing.assert_allclose(x, jnp.full((4, 2), 3.0 + 1.5 + 0.75 + 0.375))
+
+
+def test_state_inside_a_tuple_written_without_its_name_is_refused_at_k_steps():
+    """`return (new_params, new_opt_state), loss`: no parameter's name in the written tuple,
+    so it is one position; the two would be broadcast and at num_steps=4 every step would
+    restart from the params passed in, silently (losses [1, 1, 1, 1]). An OptionError naming
+    both fixes; at num_steps=1 the call is right (the values come back as outputs), as under
+    jax.jit."""
+    tx = optax.adam(0.1)
+
+    def update(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((x * p["w"] - 1.0) ** 2))(params)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return (new_params, new_opt_state), loss
+
+    params = {"w": jnp.zeros(3)}
     step = autoflat.step(update, num_steps=4)
     with pytest.raises(
-        autoflat.OptionError, match=r"`params` comes back inside return position 0, at `\[0\]\[0\]`"
+        autoflat.OptionError,
+        match=r"(?s)`params` comes back inside return position 0, at `\[0\]\[0\]`.*"
+        r"return params, \.\.\.\n    return \(params, \.\.\.\), \.\.\.",
     ):
         step(params, tx.init(params), jnp.ones((4, 3)))
     np.testing.assert_allclose(params["w"], 0.0)  # still usable
@@ -757,13 +838,13 @@ def test_a_return_of_one_call_whose_tuple_holds_no_state_is_one_output():
 @pytest.mark.parametrize("k", [1, K])
 def test_state_positions_that_the_return_does_not_have(k):
     """`state={"opt_state": 2}` beside `return params, loss`, and `state={"params": 0}` beside
-    `return (params, opt_state), loss`: clear errors before anything runs (the second trained
+    `return (new_params, new_opt_state), loss`: clear errors before anything runs (the second trained
     at num_steps=1 with `params` given the pair, and at 4 raised a structure error)."""
     tx = optax.adam(0.1)
 
     def nested(params, opt_state, x):
-        params, opt_state, loss = _adam_update(params, opt_state, x)
-        return (params, opt_state), loss
+        new_params, new_opt_state, loss = _adam_update(params, opt_state, x)
+        return (new_params, new_opt_state), loss
 
     def two(params, opt_state, x):
         params, opt_state, loss = _adam_update(params, opt_state, x)
@@ -790,15 +871,15 @@ def test_state_positions_that_the_return_does_not_have(k):
 
 @pytest.mark.parametrize("k", [1, K])
 def test_a_state_position_holding_a_bare_array_inside_it(k):
-    """`state={"p": 0}` beside `return (p, opt_state), loss` with `p` one array: the Roles page
+    """`state={"p": 0}` beside `return (new_p, new_s), loss` with `p` one array: the Roles page
     calls it an OptionError before anything runs, as for a dict `p`; it was a ShapeError at
     num_steps=2 about the state's structure (and at num_steps=1 ran, giving `p` the pair)."""
     tx = optax.sgd(0.1)
 
     def update(p, opt_state, x):
         loss, g = jax.value_and_grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(p)
-        u, opt_state = tx.update(g, opt_state, p)
-        return (optax.apply_updates(p, u), opt_state), loss
+        u, new_s = tx.update(g, opt_state, p)
+        return (optax.apply_updates(p, u), new_s), loss
 
     p = jnp.ones(3)
     x = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
@@ -1233,7 +1314,7 @@ def test_the_ambiguity_error_says_whether_state_is_returned_by_name():
 
     w = {"w": jnp.ones(3)}
     with pytest.raises(autoflat.OptionError, match="could each be the new value") as info:
-        autoflat.step(beside, num_steps=2)(jnp.ones(2), w, w, jnp.ones((2, 3)))
+        autoflat.step(beside, num_steps=2)(jnp.ones(5), w, w, jnp.ones((2, 3)))
     assert "does not return its state by name" not in str(info.value)
     with pytest.raises(autoflat.OptionError, match="does not return its state by name"):
         autoflat.step(alone, num_steps=2)(w, w, jnp.ones((2, 3)))

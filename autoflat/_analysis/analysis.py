@@ -71,14 +71,85 @@ class Return:
     # jax.value_and_grad(f)(params, x)`), or such a call. Never the new value of those
     # parameters, however alike their abstract values (a previous gradient may be).
     gradients: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # Tuples written inside the returned tuple where a parameter comes back by name (`return
+    # (params, opt_state), loss`): per element, None or the nest of the tuple written there, the
+    # same in every return. Such tuples are looked into: their items are return positions of
+    # their own (`names` lists them in order) and the result is built back as written
+    # (`nested`). None: no tuple is looked into.
+    nest: tuple[Any, ...] | None = None
 
     def describe(self) -> str:
         if self.kind == "none":
             return f"line {self.line} returns nothing"
-        shown = ", ".join(n if n is not None else "<expr>" for n in self.names)
+        shown = [n if n is not None else "<expr>" for n in self.names]
         if self.kind == "tuple":
-            return f"line {self.line} returns ({shown})"
-        return f"line {self.line} returns {shown}"
+            return f"line {self.line} returns {written(nested(self.nest, shown))}"
+        return f"line {self.line} returns {shown[0]}"
+
+
+def nested(nest: tuple[Any, ...] | None, items: Any) -> tuple[Any, ...]:
+    """A returned tuple built from its positions' `items`, its tuples nested as `nest` says."""
+    if nest is None:
+        return tuple(items)
+    rest = iter(items)
+
+    def build(level: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(next(rest) if child is None else build(child) for child in level)
+
+    return build(nest)
+
+
+def unnest(nest: tuple[Any, ...] | None, value: Any) -> list[Any] | None:
+    """The return positions of `value`, a tuple the step returned, looking into the tuples
+    `nest` marks; None where `value` has no tuple of that length there."""
+    if not isinstance(value, tuple) or (nest is not None and len(value) != len(nest)):
+        return None
+    if nest is None:
+        return list(value)
+    items: list[Any] = []
+    for child, item in zip(nest, value, strict=True):
+        inner = [item] if child is None else unnest(child, item)
+        if inner is None:
+            return None
+        items += inner
+    return items
+
+
+def renested(r: Return, nest: tuple[Any, ...] | None) -> Return:
+    """`r` looking into only the tuples `nest` marks, some of those `r.nest` marks: each tuple
+    no longer looked into is one position again (no name, no gradients)."""
+    if r.kind != "tuple" or r.nest is None:
+        return r
+    names: list[str | None] = []
+    new_index: dict[int, int] = {}  # old position -> new position, where kept as it was
+    old = iter(range(len(r.names)))
+
+    def walk(before: tuple[Any, ...], after: tuple[Any, ...] | None) -> None:
+        for b, a in zip(before, after or (None,) * len(before), strict=True):
+            if b is None:
+                i = next(old)
+                new_index[i] = len(names)
+                names.append(r.names[i])
+            elif a is None:
+                for _ in range(_count(b)):
+                    next(old)
+                names.append(None)
+            else:
+                walk(b, a)
+
+    walk(r.nest, nest)
+    gradients = tuple((new_index[i], ps) for i, ps in r.gradients if i in new_index)
+    return dataclasses.replace(r, names=tuple(names), gradients=gradients, nest=nest)
+
+
+def _count(nest: tuple[Any, ...]) -> int:
+    """How many positions a looked-into tuple holds."""
+    return sum(1 if child is None else _count(child) for child in nest)
+
+
+def written(value: tuple[Any, ...]) -> str:
+    """A nested tuple of strings as Python writes it."""
+    return "(" + ", ".join(written(v) if isinstance(v, tuple) else v for v in value) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +227,9 @@ def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
     return tuple(params), variadic
 
 
-def _describe_return(node: cst.Return, line: int, visitor: Visitor) -> Return:
+def _describe_return(
+    node: cst.Return, line: int, visitor: Visitor, nest: tuple[Any, ...] | None = None
+) -> Return:
     value = node.value
     if value is None or (isinstance(value, cst.Name) and value.value == "None"):
         return Return(line, "none", ())
@@ -173,15 +246,15 @@ def _describe_return(node: cst.Return, line: int, visitor: Visitor) -> Return:
     if isinstance(value, cst.Tuple):
         names: list[str | None] = []
         grads = []
-        for i, el in enumerate(value.elements):
-            if isinstance(el, cst.StarredElement):
+        for i, el in enumerate(flat_elements(value, nest)):
+            if el is None:
                 names.append(None)
             else:
-                names.append(el.value.value if isinstance(el.value, cst.Name) else None)
-                of = gradient_of(el.value)
+                names.append(el.value if isinstance(el, cst.Name) else None)
+                of = gradient_of(el)
                 if of:
                     grads.append((i, tuple(sorted(of))))
-        return Return(line, "tuple", tuple(names), gradients=tuple(grads))
+        return Return(line, "tuple", tuple(names), gradients=tuple(grads), nest=nest)
     of = gradient_of(value)
     return Return(
         line,
@@ -282,7 +355,7 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     _check_unchanged(fn, source, funcdef, params, at)
     code = _annotate(fn.__qualname__, filename, first_line - 1, module, funcdef)
     _check_supported(code, variadic)
-    returns = _returns(code)
+    returns = _returns(code, params)
     return _analysis(code, params, returns)
 
 
@@ -397,11 +470,13 @@ def _check_supported(code: _Annotated, variadic: list[str]) -> None:
         )
 
 
-def _returns(code: _Annotated) -> tuple[Return, ...]:
+def _returns(code: _Annotated, params: tuple[Param, ...]) -> tuple[Return, ...]:
     """Every return of the function's own scope, and the implicit `return None` of a body
     that can fall off its end, checked to agree in shape."""
+    tuples = [node.value for node, _ in code.visitor.returns if isinstance(node.value, cst.Tuple)]
+    nest = _nest(tuples, frozenset(p.name for p in params))
     returns = tuple(
-        _describe_return(node, line + code.line_offset, code.visitor)
+        _describe_return(node, line + code.line_offset, code.visitor, nest)
         for node, line in code.visitor.returns
     )
     if code.falls_through:
@@ -464,6 +539,61 @@ def _analysis(code: _Annotated, params: tuple[Param, ...], returns: tuple[Return
         return_nodes=frozenset(node for node, _ in visitor.returns),
         positions=code.positions,
     )
+
+
+def _nest(tuples: list[cst.Tuple], params: frozenset[str]) -> tuple[Any, ...] | None:
+    """Which tuples written inside the returned tuples are looked into (`Return.nest`): at an
+    element where every return writes a tuple, one of them holding a parameter by name."""
+    children = _children(tuples, params)
+    return children if children is not None and any(c is not None for c in children) else None
+
+
+def _children(tuples: list[cst.Tuple], params: frozenset[str]) -> tuple[Any, ...] | None:
+    """Per element of `tuples` (None: they differ in length or unpack `*xs`), None or the
+    children of the tuples written there, which are looked into."""
+    if not tuples or any(
+        len(t.elements) != len(tuples[0].elements)
+        or any(isinstance(el, cst.StarredElement) for el in t.elements)
+        for t in tuples
+    ):
+        return None
+    children = []
+    for i in range(len(tuples[0].elements)):
+        items = [t.elements[i].value for t in tuples]
+        inner = (
+            [v for v in items if isinstance(v, cst.Tuple)]
+            if any(_holds(v, params) for v in items)
+            else []
+        )
+        children.append(_children(inner, params) if len(inner) == len(items) else None)
+    return tuple(children)
+
+
+def _holds(value: cst.BaseExpression, params: frozenset[str]) -> bool:
+    """Whether `value` is a tuple written with a parameter's name among its items, at any
+    depth of tuples."""
+    return isinstance(value, cst.Tuple) and any(
+        (isinstance(el.value, cst.Name) and el.value.value in params) or _holds(el.value, params)
+        for el in value.elements
+        if not isinstance(el, cst.StarredElement)
+    )
+
+
+def flat_elements(
+    value: cst.Tuple, nest: tuple[Any, ...] | None
+) -> list[cst.BaseExpression | None]:
+    """The expressions at a returned tuple's positions, looking into the tuples `nest` marks
+    (None for a `*xs` element)."""
+    out: list[cst.BaseExpression | None] = []
+    for i, el in enumerate(value.elements):
+        child = nest[i] if nest is not None else None
+        if isinstance(el, cst.StarredElement):
+            out.append(None)
+        elif child is not None:
+            out += flat_elements(cst.ensure_type(el.value, cst.Tuple), child)
+        else:
+            out.append(el.value)
+    return out
 
 
 def _shape(r: Return) -> tuple[str, int]:

@@ -26,7 +26,7 @@ from libcst.helpers import (
     parse_template_statement,
 )
 
-from .._analysis.analysis import Analysis
+from .._analysis.analysis import Analysis, flat_elements, nested, written
 from .._errors import where
 from .._roles.roles import Roles
 
@@ -171,13 +171,17 @@ class _ReturnRewriter(cst.CSTTransformer):
         return result
 
 
-def _elements(value: cst.BaseExpression | None) -> list[cst.BaseExpression]:
+def _elements(
+    value: cst.BaseExpression | None, nest: tuple[Any, ...] | None
+) -> list[cst.BaseExpression]:
+    """The expressions a `return` writes at its positions (looking into the tuples `nest`
+    marks)."""
     if value is None:
         return []
     if isinstance(value, cst.Name) and value.value == "None":
         return []
     if isinstance(value, cst.Tuple):
-        return [el.value for el in value.elements]
+        return [cst.ensure_type(el, cst.BaseExpression) for el in flat_elements(value, nest)]
     return [value]
 
 
@@ -388,7 +392,8 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
             semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
         )
         return cst.FlattenSentinel([unpack, _assemble(roles, names, list(targets), node)])
-    return _assemble(roles, names, _elements(node.value if node is not None else None), node)
+    value = node.value if node is not None else None
+    return _assemble(roles, names, _elements(value, roles.layout.nest), node)
 
 
 def _assemble(
@@ -477,7 +482,8 @@ def _header(analysis: Analysis, roles: Roles, num_steps: int) -> list[str]:
         ]
         if layout.keys:
             shown = [f"{k!r}: {v}" for k, v in zip(layout.keys, shown, strict=True)]
-        header.append("returns: " + ", ".join(shown))
+        text = written(nested(layout.nest, shown)) if layout.nest else ", ".join(shown)
+        header.append("returns: " + text)
     return header
 
 

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from .. import _jax
+from .._analysis.analysis import unnest
 from .._handles import writeback as _writeback
 from .._handles.lazy import LazyHandle
 from .._transport.structure import computed_dtype, is_array, is_explicit
@@ -295,7 +296,8 @@ def positions_of(first: Any, out: Any) -> list[Any]:
     if first.keys:
         keys = first.keys
         return [out[k] for k in keys] if isinstance(out, dict) and set(out) == set(keys) else []
-    return list(out) if isinstance(out, tuple) and len(out) == len(first.names) else []
+    items = unnest(first.nest, out)
+    return items if items is not None and len(items) == len(first.names) else []
 
 
 _MARK = object()  # a placeholder leaf

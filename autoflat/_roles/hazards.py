@@ -30,6 +30,7 @@ from .._errors import (
     MIXED_ARGUMENT,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
+    RETURNED_PER_STEP,
     SHORT_FIRST_CHUNK,
     WRITTEN_PER_STEP,
     ShapeError,
@@ -142,16 +143,47 @@ def check_written_per_step(
     for p, value in values.items():
         if p not in written or is_mutable_module(value):
             continue
-        leaves = jax.tree_util.tree_leaves(value)
-        if leaves and all(
-            is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves
-        ):
+        if _all_leading(value, num_steps):
             line = dict(analysis.assigned_lines).get(p) or next(
                 (ln for q, _, ln in analysis.in_place if q == p), analysis.def_line
             )
             raise error(
                 ShapeError, WRITTEN_PER_STEP, analysis, param=p, line=line, num_steps=num_steps
             )
+
+
+def check_returned_as_it_came_per_step(
+    analysis: Analysis, options: Options, returned_at: dict[str, int], values: dict[str, Any],
+    num_steps: int,
+) -> None:  # fmt: skip
+    """An argument returned by name is state; one the body neither binds again nor changes
+    comes back as it came in, so as state each step would see the whole chunk. One whose
+    array leaves all have a leading axis of num_steps is as likely a per-step input returned
+    to log it (`return w, loss, x`): the user says which."""
+    changed = analysis.rebound | analysis.assigned | {p for p, _, _ in analysis.in_place}
+    for p, pos in returned_at.items():
+        value = values[p]
+        # A method of an object may change it (an array's, or a dict's other than those
+        # `in_place` lists, do not).
+        called = p in analysis.method_called and not (
+            is_array(value) or type(value) in (dict, list, tuple)
+        )
+        if p in changed or called or p in options.explicit | options.state:
+            continue
+        if is_mutable_module(value):
+            continue
+        if _all_leading(value, num_steps):
+            raise error(
+                ShapeError, RETURNED_PER_STEP, analysis, param=p, pos=pos, num_steps=num_steps
+            )
+
+
+def _all_leading(value: Any, num_steps: int) -> bool:
+    """Every leaf an array with a leading axis of num_steps (and at least one leaf)."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return bool(leaves) and all(
+        is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves
+    )
 
 
 def raw_key_at_two(value: Any, num_steps: int) -> bool:

@@ -67,10 +67,12 @@ from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
+    check_returned_as_it_came_per_step,
     check_written_per_step,
     leading_axis_error,
     raise_leading_axis_errors,
 )
+from .nesting import looked_into
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -119,6 +121,7 @@ def infer(
     may_mutate: bool,
 ) -> Inferred:
     """The roles of a call with these arguments (see the module doc), in named steps."""
+    analysis = looked_into(analysis, dict(zip(analysis.param_names, args, strict=True)), num_steps)
     run = _Inference(analysis, options, num_steps, fn, args, may_mutate)
     run.refuse_arguments()
     run.roles_before_matching()
@@ -217,6 +220,9 @@ class _Inference:
         if self.num_steps > 1:
             check_written_per_step(
                 analysis, options, self.returned_at, self.mutable, values, self.num_steps
+            )
+            check_returned_as_it_came_per_step(
+                analysis, options, self.returned_at, values, self.num_steps
             )
         for p in self.params:
             opaque = None if p in options.static else opaque_module(values[p])

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from typing import Any, Literal
 
-from .._analysis.analysis import Analysis
+from .._analysis.analysis import Analysis, nested, unnest
 from .options import Options as Options
 from .options import Role as Role
 from .options import check_options as check_options
@@ -35,6 +35,22 @@ class Layout:
     kind: Literal["none", "single", "tuple", "unpacked"]
     entries: tuple[tuple[Literal["state", "out"], int], ...]
     keys: tuple[Any, ...] = ()  # "unpacked" from a dict: its keys, one per entry
+    nest: tuple[Any, ...] | None = None  # "tuple": the tuples looked into (`Return.nest`)
+
+    def build(self, items: list[Any]) -> Any:
+        """The user's return value from its positions' `items`."""
+        if self.kind == "none":
+            return None
+        if self.keys:
+            return dict(zip(self.keys, items, strict=True))
+        return items[0] if self.kind == "single" else nested(self.nest, items)
+
+    def positions(self, value: Any) -> list[Any]:
+        """The items at the return positions of a value `build` made (a step that returns
+        something)."""
+        if self.keys:
+            return [value[k] for k in self.keys]
+        return [value] if self.kind == "single" else unnest(self.nest, value) or []
 
     @property
     def n_outputs(self) -> int:
@@ -147,4 +163,5 @@ def _layout(analysis: Analysis, ctx: Context, roles: tuple[Role, ...]) -> Layout
                 entries.append(("state", state.index(owner)))
             else:
                 entries.append(("out", sum(1 for k, _ in entries if k == "out")))
-    return Layout(kind, tuple(entries), call.keys if call is not None else ())
+    nest = first.nest if first is not None and kind == "tuple" else None
+    return Layout(kind, tuple(entries), call.keys if call is not None else (), nest)

@@ -287,13 +287,7 @@ def _chained(program: Any, bound: inspect.BoundArguments, result: Any) -> inspec
     layout = program.roles.layout
     if layout.kind == "none":
         return bound
-    if layout.keys:
-        items = [result[k] for k in layout.keys]
-    elif layout.kind == "single":
-        items = [result]
-    else:
-        items = list(result)
-    for (kind, i), item in zip(layout.entries, items, strict=True):
+    for (kind, i), item in zip(layout.entries, layout.positions(result), strict=True):
         if kind == "state":
             bound.arguments[program.roles.state[i]] = item
     return bound

@@ -76,15 +76,12 @@ class Program:
 
     def result(self, handles: list[Any], outputs: Any) -> Any:
         """What the step returns: its state (as handles) and outputs, in the user's order."""
-        shape = self.roles.layout.kind
-        if shape == "none":
+        layout = self.roles.layout
+        if layout.kind == "none":
             return None
-        items = [
-            handles[j] if kind == "state" else outputs[j] for kind, j in self.roles.layout.entries
-        ]
-        if self.roles.layout.keys:
-            return dict(zip(self.roles.layout.keys, items, strict=True))
-        return items[0] if shape == "single" else tuple(items)
+        return layout.build(
+            [handles[j] if kind == "state" else outputs[j] for kind, j in layout.entries]
+        )
 
 
 class Programs:

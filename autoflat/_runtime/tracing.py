@@ -87,8 +87,7 @@ def captured(spec: Any, state: tuple[FlatState, ...], outputs: tuple[Any, ...]) 
         state[i].structure.unflatten(state[i].arrays) if kind == "state" else outputs[i]
         for kind, i in layout.entries
     ]
-    value = None if layout.kind == "none" else items[0] if layout.kind == "single" else tuple(items)
-    capture[1].append(abstract_return(value))
+    capture[1].append(abstract_return(layout.build(items)))
 
 
 def _unflatten(flat: FlatState) -> Any:

@@ -2283,7 +2283,57 @@ def test_a_returned_dict_has_its_values_as_return_positions():
 
 @claim(
     PAGE,
-    'a `state={"p": 0}` position the return does not have, or one that holds `p` inside it (`return (p, opt_state), loss`), is an `autoflat.OptionError` before anything runs',
+    "so is one the body never changes whose array leaves all have a leading axis of `num_steps`, `return w, loss, x` for a per-step `x`, an `autoflat.ShapeError` that asks for `per_step=` or `state=`",
+)
+def test_a_per_step_input_returned_as_it_came_is_asked_about():
+    def update(w, x):
+        w = w - 0.1 * x.sum()
+        return w, jnp.sum(w), x
+
+    xs = data(K, 2)
+    with pytest.raises(autoflat.ShapeError, match=r'per_step="x"(?s:.*)state="x"'):
+        autoflat.step(update, num_steps=K)(jnp.ones(3), xs)
+    step = autoflat.step(update, num_steps=K, per_step="x")
+    (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
+    (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), K)
+    np.testing.assert_allclose(w, want_w, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), outs, want)
+    assert role_line(step, "x").startswith("scanned (per_step=)")
+
+
+@claim(
+    PAGE,
+    "a tuple written inside the returned tuple with a parameter's name among its items (`return (params, opt_state), loss`) is looked into: its items are return positions of their own, counted in order (`params` 0, `opt_state` 1, `loss` 2, for `state=` too), and the call returns the value nested as written, `(params, opt_state), losses = step(...)`.",
+)
+@claim(
+    PAGE,
+    "`return (params, opt_state), loss` | both returned by name inside the written tuple: state; the call returns `(params, opt_state), losses`",
+)
+def test_a_tuple_written_with_parameters_names_is_looked_into():
+    def nested(params, opt_state, x):
+        params, opt_state, loss = _adam_update(params, opt_state, x)
+        return (params, opt_state), loss
+
+    tx = optax.adam(0.1)
+    params, xs = {"w": jnp.zeros(3)}, data(2 * K, 3)
+    ref = jax.jit(nested)
+    rp, ro, rl = params, tx.init(params), []
+    for i in range(2 * K):
+        (rp, ro), loss = ref(rp, ro, xs[i])
+        rl.append(loss)
+    for options in ({}, {"state": {"params": 0, "opt_state": 1}}):
+        step = autoflat.step(nested, num_steps=K, **options)
+        (p, o), losses = step(params, tx.init(params), xs[:K])
+        (p, o), more = step(p, o, xs[K:])
+        assert type(p) is autoflat.LazyHandle and losses.shape == (K,)
+        tree_allclose((p, o), (rp, ro), rtol=1e-6)
+        np.testing.assert_allclose(np.concatenate([losses, more]), rl, rtol=1e-6)
+        assert role_line(step, "opt_state").startswith("state (")
+
+
+@claim(
+    PAGE,
+    'a `state={"p": 0}` position the return does not have, or one that holds `p` inside it (`return (new_p, new_s), loss`), is an `autoflat.OptionError` before anything runs',
 )
 def test_a_state_position_that_does_not_fit_is_an_option_error():
     tx = optax.adam(0.1)
@@ -2293,8 +2343,8 @@ def test_a_state_position_that_does_not_fit_is_an_option_error():
         return params, loss
 
     def nested(params, opt_state, x):
-        params, opt_state, loss = _adam_update(params, opt_state, x)
-        return (params, opt_state), loss
+        new_p, new_s, loss = _adam_update(params, opt_state, x)
+        return (new_p, new_s), loss
 
     params, x = {"w": jnp.zeros(3)}, data(K, 3)
     step = autoflat.step(two, num_steps=K, state={"opt_state": 2})

@@ -1,0 +1,110 @@
+"""Which tuples written in a `return` are looked into at a call.
+
+The source marks a tuple written inside the returned tuple with a parameter's name among its
+items (`return (params, opt_state), loss`, `Return.nest`): its items are return positions of
+their own. A call keeps such a tuple one position where an argument could be the whole
+tuple's new value: a tuple argument no `return` names, of the written tuple's length, whose
+items have the abstract values of the parameters named there (`def f(w, carry, x): h, prev_x =
+carry; ...; return w, (h, x)`, `carry` given back whole, `x` its new `prev_x`). An item
+written as another expression fits any value; a per-step argument named there counts as one
+step's slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._analysis.analysis import Analysis, renested
+from .._handles.lazy import LazyHandle
+
+_ANY = object()  # an item written as an expression: any value fits it
+
+
+class _Written(tuple):  # type: ignore[type-arg]
+    """What a tuple written in the return holds, item by item: a parameter's value, `_ANY`,
+    or a `_Written` for a tuple written inside it."""
+
+
+def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> Analysis:
+    """`analysis` with its returns looking into only the written tuples no argument could be
+    the whole new value of."""
+    first = analysis.returns[0] if analysis.returns else None
+    if first is None or first.nest is None:
+        return analysis
+    named = {n for r in analysis.returns for n in r.names if n is not None}
+    wholes = [_object(v) for p, v in values.items() if p not in named]
+    wholes = [w for w in wholes if type(w) is tuple]
+    if not wholes:
+        return analysis
+    names = [r.names for r in analysis.returns if r.kind == "tuple"]
+    positions = iter(range(len(first.names)))
+
+    def kept(level: tuple[Any, ...]) -> tuple[tuple[Any, ...], _Written]:
+        """The children of a written tuple still looked into, and what the tuple holds."""
+        children: list[Any] = []
+        holds: list[Any] = []
+        for child in level:
+            if child is None:
+                i = next(positions)
+                found = {ns[i] for ns in names} & values.keys()
+                holds.append(values[found.pop()] if len(found) == 1 else _ANY)
+                children.append(None)
+                continue
+            inner, held = kept(child)
+            whole = any(_fits(held, w, num_steps) for w in wholes)
+            children.append(None if whole else inner)
+            holds.append(held)
+        return tuple(children), _Written(holds)
+
+    nest, _ = kept(first.nest)
+    if nest == first.nest:
+        return analysis
+    new_nest = nest if any(c is not None for c in nest) else None
+    returns = tuple(renested(r, new_nest) for r in analysis.returns)
+    return dataclasses.replace(analysis, returns=returns)
+
+
+def _object(value: Any) -> Any:
+    """The object a lazy handle stands for, rebuilt from its leaves (no transfer)."""
+    if type(value) is not LazyHandle:
+        return value
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _fits(held: Any, value: Any, num_steps: int) -> bool:
+    """Whether `value` could be a tuple written holding `held`."""
+    if held is _ANY:
+        return True
+    if isinstance(held, _Written):
+        return (
+            type(value) is tuple
+            and len(value) == len(held)
+            and all(_fits(h, v, num_steps) for h, v in zip(held, value, strict=True))
+        )
+    return _alike(value, held, num_steps)
+
+
+def _alike(value: Any, named: Any, num_steps: int) -> bool:
+    """Same tree structure, and per leaf the same dtype and shape, or `named`'s leaf that shape
+    under a leading axis of num_steps (a per-step argument's one step)."""
+    leaves, treedef = jax.tree_util.tree_flatten(_object(value))
+    others, other_def = jax.tree_util.tree_flatten(_object(named))
+    if treedef != other_def:
+        return False
+    for a, b in zip(leaves, others, strict=True):
+        if _dtype(a) != _dtype(b):
+            return False
+        shape, other = np.shape(a), np.shape(b)
+        if shape != other and not (num_steps > 1 and other == (num_steps, *shape)):
+            return False
+    return True
+
+
+def _dtype(leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype if dtype is not None else type(leaf)
