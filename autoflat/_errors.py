@@ -394,6 +394,18 @@ under its parameter's name in the tuple written there:
 (and unpack the call's result the same way), or use num_steps=1.
 """
 
+STATE_SPREAD = """\
+`{name}` ({where}): the items of `{param}` have the abstract values of return positions {at}, \
+inside the tuple written at `{path}` of the `return` (autoflat looks into it: a parameter's \
+name is among its items), but no position gives `{param}` back whole. With \
+num_steps={num_steps}, `{param}` would be taken as a broadcast input, every step starting \
+again from the value you passed in, and those items stacked as outputs. If they are \
+`{param}`'s new value, write them as a tuple of their own where they are in the `return`, \
+`({items})`, as `{param}` came in; if `{param}` is the same every step:
+
+    @autoflat.step(..., broadcast="{param}")
+"""
+
 STATE_TYPE_CHANGED = """\
 `{name}` ({where}): return position {pos} has the leaf shapes of `{param}`, but not its \
 {what} ({detail}), so it is not taken for the new `{param}`: with num_steps={num_steps}, \

@@ -5,6 +5,7 @@ start."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import NamedTuple
 
@@ -702,6 +703,101 @@ def test_a_per_step_input_returned_by_name_as_it_came_is_asked_about():
 
     w, x = autoflat.step(grown, num_steps=4)(jnp.ones(3), jnp.zeros((4, 2)))
     np.testing.assert_allclose(x, jnp.full((4, 2), 3.0 + 1.5 + 0.75 + 0.375))
+
+
+def test_a_written_tuple_of_parameters_names_wins_over_an_argument_alike():
+    """`return (params, ema), loss` beside a broadcast `teacher = (tp, te)` of the same trees,
+    and `return (w, b), loss` beside `hp = (lr, wd)` of scalars like `w` and `b`: the
+    written tuple was kept one position, so the teacher was carried as the new state and
+    params and ema broadcast (silently wrong), or for `hp` an OptionError whose fixes went
+    wrong. Every item a parameter's name: the names decide, as rule 2 comes before rule 3."""
+
+    def distill(params, ema, teacher, x):
+        tp, te = teacher
+        g = jax.grad(lambda p: jnp.sum((p * x - 1.0) ** 2) + 0.1 * jnp.sum((p - tp) ** 2))(params)
+        params = params - 0.1 * g
+        ema = 0.9 * ema + 0.1 * params + 0.0 * te
+        return (params, ema), jnp.sum(params)
+
+    def fit(w, b, hp, x, y):
+        lr, wd = hp
+        loss, (gw, gb) = jax.value_and_grad(
+            lambda w, b: jnp.mean((w * x + b - y) ** 2) + wd * w**2, argnums=(0, 1)
+        )(w, b)
+        w = w - lr * gw
+        b = b - lr * gb
+        return (w, b), loss
+
+    xs = jax.random.normal(jax.random.key(0), (4, 3))
+    (p, e), _ = autoflat.step(distill, num_steps=4)(
+        jnp.ones(3), jnp.ones(3), (jnp.zeros(3), jnp.zeros(3)), xs
+    )
+    want = (jnp.ones(3), jnp.ones(3))
+    for i in range(4):
+        want, _ = jax.jit(distill)(*want, (jnp.zeros(3), jnp.zeros(3)), xs[i])
+    tree_allclose((p, e), want, rtol=1e-6)
+
+    xs, ys = jnp.linspace(-1, 1, 32).reshape(4, 8), jnp.linspace(-1, 3, 32).reshape(4, 8)
+    hp = (jnp.float32(0.1), jnp.float32(0.01))
+    (w, b), _ = autoflat.step(fit, num_steps=4)(jnp.float32(0), jnp.float32(0), hp, xs, ys)
+    want = (jnp.float32(0), jnp.float32(0))
+    for i in range(4):
+        want, _ = jax.jit(fit)(*want, hp, xs[i], ys[i])
+    tree_allclose((w, b), want, rtol=1e-6)
+
+
+def test_a_carry_like_the_written_tuple_keeps_it_one_position():
+    """`return w, (h, x)` beside a namedtuple carry `(h, prev_x)`: the written tuple names
+    `x`, but the carry could be its new value, so it stays one position, and the carry given
+    back as another container type is the OptionError that says to keep its type (it was a
+    ShapeError offering `per_step="x"`, which then ran silently wrong)."""
+    Carry = collections.namedtuple("Carry", ["h", "prev_x"])
+
+    def step(w, carry, x):
+        h, prev_x = carry
+        h = jnp.tanh(w * h + x - 0.5 * prev_x)
+        return w - 0.01 * jnp.sum(h) * w, (h, x)
+
+    carry = Carry(jnp.zeros(3), jnp.zeros(3))
+    with pytest.raises(autoflat.OptionError, match="give it back as it came in"):
+        autoflat.step(step, num_steps=4)(jnp.ones(3), carry, jnp.ones((4, 3)))
+
+
+def test_a_tuple_argument_spread_over_a_written_tuple_is_refused():
+    """`return (params, mom, key), loss` beside `train_state = (params, mom)`: the written
+    tuple is looked into (it names `key`), so no position gave `train_state` back whole; it
+    was broadcast, each step restarting from it and params stacked, silently. An
+    OptionError naming the tuple to write and `broadcast=`; the tuple written as it says
+    equals a jax.jit loop."""
+
+    def spread(train_state, key, x):
+        params, mom = train_state
+        key, sub = jax.random.split(key)
+        g = jax.grad(lambda p: jnp.sum((p * x - 1.0) ** 2))(params)
+        g = g + 0.01 * jax.random.normal(sub, (3,))
+        mom = 0.9 * mom + g
+        params = params - 0.1 * mom
+        return (params, mom, key), jnp.sum(params)
+
+    def grouped(train_state, key, x):
+        (params, mom, key), loss = spread(train_state, key, x)
+        return ((params, mom), key), loss
+
+    state, key, xs = (jnp.ones(3), jnp.zeros(3)), jax.random.key(0), jnp.ones((4, 3))
+    with pytest.raises(
+        autoflat.OptionError,
+        match=r"the items of `train_state` have the abstract values of return positions "
+        r"`\[0\]\[0\]`, `\[0\]\[1\]`, inside the tuple written at `\[0\]`.*"
+        r"`\(params, mom\)`(?s:.*)broadcast=\"train_state\"",
+    ):
+        autoflat.step(spread, num_steps=4)(state, key, xs)
+    ((got, got_key), _) = autoflat.step(grouped, num_steps=4)(state, key, xs)
+    ref = jax.jit(grouped)
+    want, want_key = state, key
+    for i in range(4):
+        (want, want_key), _ = ref(want, want_key, xs[i])
+    tree_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(want_key))
 
 
 def test_state_inside_a_tuple_written_without_its_name_is_refused_at_k_steps():

@@ -181,7 +181,7 @@ def _elements(
     if isinstance(value, cst.Name) and value.value == "None":
         return []
     if isinstance(value, cst.Tuple):
-        return [cst.ensure_type(el, cst.BaseExpression) for el in flat_elements(value, nest)]
+        return [el for el in flat_elements(value, nest) if el is not None]  # no `*xs`: refused
     return [value]
 
 
@@ -392,8 +392,8 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
             semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
         )
         return cst.FlattenSentinel([unpack, _assemble(roles, names, list(targets), node)])
-    value = node.value if node is not None else None
-    return _assemble(roles, names, _elements(value, roles.layout.nest), node)
+    returned = node.value if node is not None else None
+    return _assemble(roles, names, _elements(returned, roles.layout.nest), node)
 
 
 def _assemble(

@@ -72,7 +72,7 @@ from .hazards import (
     leading_axis_error,
     raise_leading_axis_errors,
 )
-from .nesting import looked_into
+from .nesting import looked_into, refuse_spread_state
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -509,6 +509,10 @@ class _Inference:
             refuse_nested_state(
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps,
+            )  # fmt: skip
+            refuse_spread_state(
+                analysis, values, self.pending, {**self.returned_at, **self.given_back()},
+                self.outputs, num_steps,
             )  # fmt: skip
             refuse_changed_type(
                 analysis, values, self.pending, self.given_back(counters=False),

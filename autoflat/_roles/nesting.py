@@ -3,11 +3,12 @@
 The source marks a tuple written inside the returned tuple with a parameter's name among its
 items (`return (params, opt_state), loss`, `Return.nest`): its items are return positions of
 their own. A call keeps such a tuple one position where an argument could be the whole
-tuple's new value: a tuple argument no `return` names, of the written tuple's length, whose
-items have the abstract values of the parameters named there (`def f(w, carry, x): h, prev_x =
-carry; ...; return w, (h, x)`, `carry` given back whole, `x` its new `prev_x`). An item
-written as another expression fits any value; a per-step argument named there counts as one
-step's slice.
+tuple's new value: a tuple (or list, or namedtuple) argument no `return` names, of the
+written tuple's length, whose items have the abstract values of the parameters named there
+(`def f(w, carry, x): h, prev_x = carry; ...; return w, (h, x)`, `carry` given back whole,
+`x` its new `prev_x`). An item written as another expression fits any value; a per-step
+argument named there counts as one step's slice. A tuple whose every item is a parameter's
+name (`(params, opt_state)`) is always looked into: names decide before abstract values.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import jax
 import numpy as np
 
 from .._analysis.analysis import Analysis, renested
+from .._errors import STATE_SPREAD, OptionError, error
 from .._handles.lazy import LazyHandle
+from .abstract import same_value
 
 _ANY = object()  # an item written as an expression: any value fits it
 
@@ -37,7 +40,7 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
         return analysis
     named = {n for r in analysis.returns for n in r.names if n is not None}
     wholes = [_object(v) for p, v in values.items() if p not in named]
-    wholes = [w for w in wholes if type(w) is tuple]
+    wholes = [w for w in wholes if isinstance(w, (tuple, list))]
     if not wholes:
         return analysis
     names = [r.names for r in analysis.returns if r.kind == "tuple"]
@@ -50,12 +53,14 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
         for child in level:
             if child is None:
                 i = next(positions)
-                found = {ns[i] for ns in names} & values.keys()
+                found = {n for ns in names if (n := ns[i]) is not None} & values.keys()
                 holds.append(values[found.pop()] if len(found) == 1 else _ANY)
                 children.append(None)
                 continue
             inner, held = kept(child)
-            whole = any(_fits(held, w, num_steps) for w in wholes)
+            # Every item a parameter's name: those names decide (rule 2 before rule 3).
+            named_only = all(c is None and h is not _ANY for c, h in zip(inner, held, strict=True))
+            whole = not named_only and any(_fits(held, w, num_steps) for w in wholes)
             children.append(None if whole else inner)
             holds.append(held)
         return tuple(children), _Written(holds)
@@ -82,7 +87,7 @@ def _fits(held: Any, value: Any, num_steps: int) -> bool:
         return True
     if isinstance(held, _Written):
         return (
-            type(value) is tuple
+            isinstance(value, (tuple, list))
             and len(value) == len(held)
             and all(_fits(h, v, num_steps) for h, v in zip(held, value, strict=True))
         )
@@ -94,7 +99,8 @@ def _alike(value: Any, named: Any, num_steps: int) -> bool:
     under a leading axis of num_steps (a per-step argument's one step)."""
     leaves, treedef = jax.tree_util.tree_flatten(_object(value))
     others, other_def = jax.tree_util.tree_flatten(_object(named))
-    if treedef != other_def:
+    same: bool = treedef == other_def  # type: ignore[operator]
+    if not same:
         return False
     for a, b in zip(leaves, others, strict=True):
         if _dtype(a) != _dtype(b):
@@ -108,3 +114,70 @@ def _alike(value: Any, named: Any, num_steps: int) -> bool:
 def _dtype(leaf: Any) -> Any:
     dtype = getattr(leaf, "dtype", None)
     return dtype if dtype is not None else type(leaf)
+
+
+def refuse_spread_state(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    outputs: list[Any],
+    num_steps: int,
+) -> None:
+    """A tuple argument no position gives back, whose items come back one by one among the
+    items of a tuple the return is looked into at (`return (params, mom, key), loss` for
+    `train_state = (params, mom)`): at num_steps > 1 it would be broadcast and every step
+    would restart from it, its new items stacked as outputs. Refused, with the fixes."""
+    first = analysis.returns[0] if analysis.returns else None
+    if first is None or first.nest is None:
+        return
+    paths = _paths(first.nest)
+    taken_back = set(given_back.values())
+    for p in pending:
+        value = _object(values[p])
+        if p in given_back or not isinstance(value, (tuple, list)) or not value:
+            continue
+        for path, positions in _groups(first.nest, paths):
+            group = [q for q in positions if q not in taken_back]
+            taken: list[int] = []
+            for item in value:
+                pos = next(
+                    (q for q in group if q not in taken and same_value(item, outputs[q])), None
+                )
+                if pos is None:
+                    break
+                taken.append(pos)
+            else:
+                raise error(
+                    OptionError, STATE_SPREAD, analysis, param=p, path=path,
+                    at=", ".join(f"`{paths[q]}`" for q in taken), num_steps=num_steps,
+                    items=", ".join(first.names[q] or "..." for q in taken),
+                )  # fmt: skip
+
+
+def _paths(nest: tuple[Any, ...]) -> list[str]:
+    """Each return position's place in the value as written (`[0][1]`)."""
+    out: list[str] = []
+    for i, child in enumerate(nest):
+        out += [f"[{i}]"] if child is None else [f"[{i}]{q}" for q in _paths(child)]
+    return out
+
+
+def _groups(nest: tuple[Any, ...], paths: list[str]) -> list[tuple[str, list[int]]]:
+    """Each tuple looked into, as its place in the value as written and its positions."""
+    found: list[tuple[str, list[int]]] = []
+    start = 0
+
+    def walk(level: tuple[Any, ...], prefix: str) -> int:
+        nonlocal start
+        first = start
+        for i, child in enumerate(level):
+            if child is None:
+                start += 1
+            else:
+                begin = walk(child, f"{prefix}[{i}]")
+                found.append((f"{prefix}[{i}]", list(range(begin, start))))
+        return first
+
+    walk(nest, "")
+    return found

@@ -2333,6 +2333,39 @@ def test_a_tuple_written_with_parameters_names_is_looked_into():
 
 @claim(
     PAGE,
+    "It stays one position where some item is not a parameter's name and an argument could be the whole tuple's new value, a tuple, list or named tuple of its length whose items have the abstract values of the parameters named there (`return w, (h, x)` beside `carry = (h, prev_x)`).",
+)
+@claim(
+    PAGE,
+    "With `num_steps > 1`, a tuple argument no position gives back whose items come back among a looked-into tuple's items (`return (params, mom, key), loss` beside `train_state = (params, mom)`) is an `autoflat.OptionError` that asks for them written as a tuple of their own, `((params, mom), key)`, or `broadcast=`.",
+)
+def test_a_written_tuple_an_argument_could_be_stays_one_position():
+    def rnn(w, carry, x):
+        h, prev_x = carry
+        h = jnp.tanh(prev_x * w + h)
+        return w * 0.99, (h, x)
+
+    def spread(train_state, key, x):
+        params, mom = train_state
+        key, sub = jax.random.split(key)
+        mom = 0.9 * mom + params * x + 0.01 * jax.random.normal(sub, (3,))
+        params = params - 0.1 * mom
+        return (params, mom, key), jnp.sum(params)
+
+    xs, carry = data(K, 3), (jnp.zeros(3), jnp.zeros(3))
+    step = autoflat.step(rnn, num_steps=K)
+    (w, c), outs = step_loop(step, (jnp.ones(3), carry), (xs,), K, K)
+    (want_w, want_c), want = jit_loop(rnn, (jnp.ones(3), carry), (xs,), K)
+    tree_allclose((w, c), (want_w, want_c), rtol=1e-6)
+    assert role_line(step, "carry").startswith("state (matched by value to return position 1)")
+    with pytest.raises(
+        autoflat.OptionError, match=r"`\(params, mom\)`(?s:.*)broadcast=\"train_state\""
+    ):
+        autoflat.step(spread, num_steps=K)(carry, jax.random.key(0), xs)
+
+
+@claim(
+    PAGE,
     'a `state={"p": 0}` position the return does not have, or one that holds `p` inside it (`return (new_p, new_s), loss`), is an `autoflat.OptionError` before anything runs',
 )
 def test_a_state_position_that_does_not_fit_is_an_option_error():
