@@ -8,7 +8,8 @@ written tuple's length, whose items have the abstract values of the parameters n
 (`def f(w, carry, x): h, prev_x = carry; ...; return w, (h, x)`, `carry` given back whole,
 `x` its new `prev_x`). An item written as another expression fits any value; a per-step
 argument named there counts as one step's slice. A tuple whose every item is a parameter's
-name (`(params, opt_state)`) is always looked into: names decide before abstract values.
+name (`(params, opt_state)`), none of them looking per-step, is always looked into: names
+decide before abstract values.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
                 children.append(None)
                 continue
             inner, held = kept(child)
-            # Every item a parameter's name: those names decide (rule 2 before rule 3).
-            named_only = all(c is None and h is not _ANY for c, h in zip(inner, held, strict=True))
+            # Every item a parameter's name, none of them one that looks per-step: those
+            # names decide (rule 2 before rule 3).
+            named_only = all(
+                c is None and h is not _ANY and not _leading(h, num_steps)
+                for c, h in zip(inner, held, strict=True)
+            )
             whole = not named_only and any(_fits(held, w, num_steps) for w in wholes)
             children.append(None if whole else inner)
             holds.append(held)
@@ -109,6 +114,16 @@ def _alike(value: Any, named: Any, num_steps: int) -> bool:
         if shape != other and not (num_steps > 1 and other == (num_steps, *shape)):
             return False
     return True
+
+
+def _leading(value: Any, num_steps: int) -> bool:
+    """Every leaf an array with a leading axis of num_steps > 1 (a per-step input's look)."""
+    leaves = jax.tree_util.tree_leaves(_object(value))
+    return (
+        num_steps > 1
+        and bool(leaves)
+        and all(np.ndim(x) >= 1 and np.shape(x)[0] == num_steps for x in leaves)
+    )
 
 
 def _dtype(leaf: Any) -> Any:

@@ -238,7 +238,12 @@ def refuse_unlinked(
                 continue
             why = "it holds gradients, computed from whatever the loss reads"
         else:
-            found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], per_step, varying)
+            inputs = (
+                _single_inputs(values, per_step, num_steps)
+                if scalar_container(values[p])
+                else per_step
+            )
+            found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], inputs, varying)
             if found is None:
                 continue
             why = found
@@ -248,6 +253,20 @@ def refuse_unlinked(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
             num_steps=num_steps,
         )  # fmt: skip
+
+
+def _single_inputs(
+    values: dict[str, Any], per_step: frozenset[str], num_steps: int
+) -> frozenset[str]:
+    """The per-step arguments of one element a step (a reward, a done flag): a leaf of a
+    container of scalars made from them alone is a carry's input (`(prev_r, prev_done)`);
+    one made from a batch alone is a statistic of it, as a metric is (`(jnp.mean(x),
+    jnp.std(x))` beside the `(mu, sd)` the step normalises by)."""
+    return frozenset(
+        q
+        for q in per_step
+        if all(np.size(x) <= num_steps for x in jax.tree_util.tree_leaves(values[q]))
+    )
 
 
 def _unlinked_leaf(

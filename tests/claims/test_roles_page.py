@@ -2333,7 +2333,7 @@ def test_a_tuple_written_with_parameters_names_is_looked_into():
 
 @claim(
     PAGE,
-    "It stays one position where some item is not a parameter's name and an argument could be the whole tuple's new value, a tuple, list or named tuple of its length whose items have the abstract values of the parameters named there (`return w, (h, x)` beside `carry = (h, prev_x)`).",
+    "It stays one position where some item is not a parameter's name, or is a per-step input's, and an argument could be the whole tuple's new value, a tuple, list or named tuple of its length whose items have the abstract values of the parameters named there (`return w, (h, x)` beside `carry = (h, prev_x)`).",
 )
 @claim(
     PAGE,
@@ -2362,6 +2362,45 @@ def test_a_written_tuple_an_argument_could_be_stays_one_position():
         autoflat.OptionError, match=r"`\(params, mom\)`(?s:.*)broadcast=\"train_state\""
     ):
         autoflat.step(spread, num_steps=K)(carry, jax.random.key(0), xs)
+
+
+@claim(
+    PAGE,
+    "For a container of scalar arrays, a leaf made from per-step arguments alone is a carry's input only where each of them is one element a step (a reward, a done flag: `(prev_r, prev_done)`); made from a batch, it is a statistic of it, as a metric is (`(jnp.mean(x), jnp.std(x))` beside the `(mu, sd)` the step normalises by): the same `autoflat.OptionError`.",
+)
+@claim(
+    PAGE,
+    '`def update(w, norm, x, y): mu, sd = norm; ... return w, (jnp.mean(x), jnp.std(x))`, `num_steps > 1` | an `OptionError`: the statistics are made from the batch alone, not from `norm`; `broadcast="norm"` or `state={"norm": 1}`',
+)
+def test_statistics_of_a_batch_beside_scalars_it_is_normalised_by_are_asked_about():
+    def update(w, norm, x, y):
+        mu, sd = norm
+        xn = (x - mu) / sd
+        g = jax.grad(lambda w: jnp.mean((xn @ w - y) ** 2))(w)
+        return w - 0.1 * g, (jnp.mean(x), jnp.std(x))
+
+    def td(w, prev, r, done):  # the carry holds this step's reward and flag as they came
+        prev_r, prev_done = prev
+        w = w + 0.1 * prev_r * (1.0 - prev_done)
+        return w, (r, done)
+
+    xs, ys = data(K, 8, 3), data(K, 8, seed=1)
+    norm = (jnp.float32(1.0), jnp.float32(2.0))
+    with pytest.raises(
+        autoflat.OptionError, match=r"its leaf at `\[0\]` is not computed from `norm`"
+    ):
+        autoflat.step(update, num_steps=K)(jnp.zeros(3), norm, xs, ys)
+    w, _ = autoflat.step(update, num_steps=K, broadcast="norm")(jnp.zeros(3), norm, xs, ys)
+    rw = jnp.zeros(3)
+    for i in range(K):
+        rw, _ = jax.jit(update)(rw, norm, xs[i], ys[i])
+    np.testing.assert_allclose(w, rw, rtol=1e-6)
+    rs, dones = data(K), (jnp.arange(K) % 2).astype(jnp.float32)
+    prev = (jnp.float32(1.0), jnp.float32(0.0))
+    step = autoflat.step(td, num_steps=K)
+    (w, p), _ = step_loop(step, (jnp.zeros(()), prev), (rs, dones), K, K)
+    (want_w, want_p), _ = jit_loop(td, (jnp.zeros(()), prev), (rs, dones), K)
+    tree_allclose((w, p), (want_w, want_p), rtol=1e-6)
 
 
 @claim(
