@@ -746,11 +746,14 @@ def test_a_written_tuple_of_parameters_names_wins_over_an_argument_alike():
     tree_allclose((w, b), want, rtol=1e-6)
 
 
-def test_a_carry_like_the_written_tuple_keeps_it_one_position():
-    """`return w, (h, x)` beside a namedtuple carry `(h, prev_x)`: the written tuple names
-    `x`, but the carry could be its new value, so it stays one position, and the carry given
-    back as another container type is the OptionError that says to keep its type (it was a
-    ShapeError offering `per_step="x"`, which then ran silently wrong)."""
+@pytest.mark.parametrize("container", ["namedtuple", "list"])
+def test_a_carry_like_the_written_tuple_keeps_it_one_position(container):
+    """`return w, (h, x)` beside a namedtuple or list carry `(h, prev_x)`: the written tuple
+    names `x`, but the carry could be its new value, so it stays one position, and the carry
+    given back as another container type is the OptionError that says to keep its type (for
+    the namedtuple it was a ShapeError offering `per_step="x"`, which then ran silently
+    wrong; the list carry was broadcast, every step restarting from it, silently: every
+    leaf computed from it or made from the step's input is now evidence enough)."""
     Carry = collections.namedtuple("Carry", ["h", "prev_x"])
 
     def step(w, carry, x):
@@ -759,6 +762,7 @@ def test_a_carry_like_the_written_tuple_keeps_it_one_position():
         return w - 0.01 * jnp.sum(h) * w, (h, x)
 
     carry = Carry(jnp.zeros(3), jnp.zeros(3))
+    carry = carry if container == "namedtuple" else list(carry)
     with pytest.raises(autoflat.OptionError, match="give it back as it came in"):
         autoflat.step(step, num_steps=4)(jnp.ones(3), carry, jnp.ones((4, 3)))
 

@@ -514,11 +514,12 @@ class _Inference:
                 analysis, values, self.pending, {**self.returned_at, **self.given_back()},
                 self.outputs, num_steps,
             )  # fmt: skip
+            per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_changed_type(
                 analysis, values, self.pending, self.given_back(counters=False),
                 self.open_positions, self.outputs, num_steps, self._new_value_of,
+                self._flow_of(first), per_step,
             )  # fmt: skip
-            per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_unlinked(
                 analysis, values, self.by_value, self.outputs, self._flow_of(first),
                 lambda p, pos: _matching.named_after(p, pos, first.names),

@@ -183,16 +183,25 @@ def refuse_changed_type(
     outputs: list[Any],
     num_steps: int,
     evidence: Callable[[str, int], bool],
+    flow: Callable[[], list[Flow]],
+    per_step: frozenset[str],
 ) -> None:
     """A container argument left broadcast where an open return position has its leaf
     shapes, its tree (tuples and lists alike) and evidence of being its new value
-    (`evidence`: `_Inference._new_value_of`), but another dtype (bfloat16 parameters updated
-    with a float32 rate) or container type (a tuple of layers given back as a list): as a
-    `lax.scan` carry it cannot be (its types must stay), and left broadcast every step
-    would restart from the value passed in. Refused, with both fixes."""
+    (`evidence`: `_Inference._new_value_of`; for a container type changed, also every leaf
+    computed from it or made from per-step arguments alone, one at least from it: an RNN's
+    list carry `[h, c]` given back as `(h, c)`, `[h, prev_x]` as `(h, x)`), but another
+    dtype (bfloat16 parameters updated with a float32 rate) or container type (a tuple of
+    layers given back as a list): as a `lax.scan` carry it cannot be (its types must stay),
+    and left broadcast every step would restart from the value passed in. Refused, with both
+    fixes."""
     for p, pos in _open_containers(values, pending, given_back, positions):
         changed = _type_changed(values[p], outputs[pos])
-        if changed is not None and evidence(p, pos):
+        if changed is None:
+            continue
+        if evidence(p, pos) or (
+            changed[0] == "tree structure" and _carried_leaves(p, flow()[pos], per_step)
+        ):
             what, detail, fix = changed
             raise error(
                 OptionError, STATE_TYPE_CHANGED, analysis, param=p, pos=pos, what=what,
@@ -373,6 +382,15 @@ def _weighs(p: str, value: Any, flow: Flow, varying: frozenset[str]) -> list[int
         for j, (weights, takes) in enumerate(zip(flow.weighted, flow.takes, strict=True))
         if p not in takes and any(w.param == p and w.by & (varying - {p}) for w in weights)
     ]
+
+
+def _carried_leaves(p: str, here: Flow, per_step: frozenset[str]) -> bool:
+    """Every leaf computed from `p` or made from per-step arguments alone, one at least from
+    `p`: a carry's new value, whatever its container."""
+    leaves = here.leaves
+    return any(p in sources for sources in leaves) and all(
+        p in sources or (sources and sources <= per_step) for sources in leaves
+    )
 
 
 def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:

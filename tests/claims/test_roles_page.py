@@ -1514,7 +1514,7 @@ def test_the_first_call_evaluates_one_step_abstractly():
 )
 @claim(
     PAGE,
-    "A container whose leaf shapes a return position has, but not its dtypes or container types (bfloat16 parameters updated with a float32 rate, a tuple of layers given back as a list), is not matched; where the same evidence says the position is its new value, with `num_steps > 1` that is an `autoflat.OptionError`: a `lax.scan` carry keeps its types, so give the new value back as it came in, or name the argument `broadcast=` if that position is something else.",
+    "A container whose leaf shapes a return position has, but not its dtypes or container types (bfloat16 parameters updated with a float32 rate, a tuple of layers given back as a list), is not matched; where the same evidence says the position is its new value (for a container type, also every leaf computed from it or from per-step arguments alone: a list carry `[h, c]` given back as `(h, c)`), with `num_steps > 1` that is an `autoflat.OptionError`: a `lax.scan` carry keeps its types, so give the new value back as it came in, or name the argument `broadcast=` if that position is something else.",
 )
 def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
     def body(carry, x):
@@ -1543,6 +1543,18 @@ def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
         )
     with pytest.raises(autoflat.OptionError, match="but not its tree structure"):
         autoflat.step(as_list, num_steps=4)(((jnp.ones(2), jnp.zeros(2)),), jnp.ones((4, 3)))
+
+    def lstm(w, carry, x):
+        h, c = carry
+        c = 0.5 * c + jnp.tanh(x * w + h)
+        return w * 0.99, (jnp.tanh(c), c)
+
+    with pytest.raises(autoflat.OptionError, match=r"\[\*, \*\] comes back as \(\*, \*\)"):
+        autoflat.step(lstm, num_steps=4)(jnp.ones(3), [jnp.zeros(3), jnp.zeros(3)], xs)
+    step = autoflat.step(lstm, num_steps=4)
+    w, carry = step(jnp.ones(3), (jnp.zeros(3), jnp.zeros(3)), xs)  # as it came: carried
+    want, _ = jit_loop(lstm, (jnp.ones(3), (jnp.zeros(3), jnp.zeros(3))), (xs,), 4)
+    tree_allclose((w, carry), want, rtol=1e-6)
 
 
 @claim(
