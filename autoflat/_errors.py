@@ -386,7 +386,8 @@ position of its own. With num_steps={num_steps}, autoflat carries state from one
 next only at return positions (the returned tuple's items, and the items of a tuple written \
 in it with a parameter's name among them): `{param}` would be taken as a broadcast input, and \
 every step would start again from the value you passed in. Return it at its own position, or \
-under its parameter's name in the tuple written there:
+under its parameter's name in a tuple written there in every `return` (autoflat looks into \
+a tuple only where each `return` writes one at that position):
 
     return {param}, ...
     return ({param}, ...), ...
