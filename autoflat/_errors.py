@@ -392,7 +392,8 @@ a tuple only where each `return` writes one at that position):
     return {param}, ...
     return ({param}, ...), ...
 
-(and unpack the call's result the same way), or use num_steps=1.
+(and unpack the call's result the same way), or use num_steps=1. If `{param}` is the same \
+every step and that value only computed from it: @autoflat.step(..., broadcast="{param}").
 """
 
 STATE_SPREAD = """\

@@ -804,6 +804,68 @@ def test_a_tuple_argument_spread_over_a_written_tuple_is_refused():
     np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(want_key))
 
 
+def test_a_written_tuple_naming_state_beside_a_new_name_wins_over_an_argument_alike():
+    """`return (params, new_ema), loss` beside a broadcast teacher pair `(tp, te)` of the
+    same shapes: the written tuple was kept one position and the teacher carried as the new
+    state (params stacked, silently). A parameter named there that does not look per-step
+    makes the names decide; `ema` is matched at its place."""
+
+    def step(params, ema, teacher, x, y):
+        tp, _ = teacher
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((x @ p - y) ** 2) + 0.1 * jnp.mean((x @ p - x @ tp) ** 2)
+        )(params)
+        params = params - 0.05 * g
+        new_ema = 0.9 * ema + 0.1 * params
+        return (params, new_ema), loss
+
+    p0, teacher = jnp.full(3, 0.1), (jnp.full(3, 0.4), jnp.full(3, -0.2))
+    xs = jax.random.normal(jax.random.key(0), (4, 5, 3))
+    ys = jax.random.normal(jax.random.key(1), (4, 5))
+    (p, e), _ = autoflat.step(step, num_steps=4)(p0, p0, teacher, xs, ys)
+    want = (p0, p0)
+    for i in range(4):
+        want, _ = jax.jit(step)(*want, teacher, xs[i], ys[i])
+    tree_allclose((p, e), want, rtol=1e-6)
+
+
+def test_an_array_whose_new_value_is_nested_in_an_output_is_refused():
+    """`return (params, opt_state), (new_mu, new_var), loss` with `mu` and `var` arrays: a
+    bare array matches only at its place, so the two were broadcast, every step normalising
+    by the first statistics, and the stacked outputs failed the next call (an unclear
+    TypeError). An array whose same-shaped leaf inside an output is computed from it (not
+    through reductions alone) is STATE_NESTED, naming its own position, its name in a
+    written tuple, and broadcast=; written so, equal to a jax.jit loop."""
+    tx = optax.sgd(0.1)
+
+    def nested(params, opt_state, mu, var, x, y):
+        new_mu = 0.9 * mu + 0.1 * x.mean(0)
+        new_var = 0.9 * var + 0.1 * x.var(0)
+        xn = (x - new_mu) / jnp.sqrt(new_var + 1e-5)
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((xn @ p - y) ** 2))(params)
+        u, opt_state = tx.update(g, opt_state, params)
+        return (optax.apply_updates(params, u), opt_state), (new_mu, new_var), loss
+
+    def named(params, opt_state, mu, var, x, y):
+        (params, opt_state), (mu, var), loss = nested(params, opt_state, mu, var, x, y)
+        return (params, opt_state), (mu, var), loss
+
+    p0, stats = jnp.ones(3), (jnp.zeros(3), jnp.ones(3))
+    xs = jax.random.normal(jax.random.key(0), (4, 5, 3)) + 1
+    ys = jnp.ones((4, 5))
+    with pytest.raises(
+        autoflat.OptionError,
+        match=r"(?s)`mu` comes back inside return position 2, at `\[2\]\[0\]`.*"
+        r"broadcast=\"mu\"",
+    ):
+        autoflat.step(nested, num_steps=4)(p0, tx.init(p0), *stats, xs, ys)
+    (p, o), (mu, var), _ = autoflat.step(named, num_steps=4)(p0, tx.init(p0), *stats, xs, ys)
+    want = (p0, tx.init(p0)), stats
+    for i in range(4):
+        *want, _ = jax.jit(named)(*want[0], *want[1], xs[i], ys[i])
+    tree_allclose(((p, o), (mu, var)), tuple(want), rtol=1e-6)
+
+
 def test_state_inside_a_tuple_written_without_its_name_is_refused_at_k_steps():
     """`return (new_params, new_opt_state), loss`: no parameter's name in the written tuple,
     so it is one position; the two would be broadcast and at num_steps=4 every step would

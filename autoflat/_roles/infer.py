@@ -508,7 +508,7 @@ class _Inference:
         if num_steps > 1 and self.outputs and first is not None:
             refuse_nested_state(
                 analysis, values, self.pending, self.given_back(counters=False),
-                self.open_positions, self.outputs, num_steps,
+                self.open_positions, self.outputs, num_steps, self._flow_of(first),
             )  # fmt: skip
             refuse_spread_state(
                 analysis, values, self.pending, {**self.returned_at, **self.given_back()},

@@ -7,9 +7,9 @@ tuple's new value: a tuple (or list, or namedtuple) argument no `return` names, 
 written tuple's length, whose items have the abstract values of the parameters named there
 (`def f(w, carry, x): h, prev_x = carry; ...; return w, (h, x)`, `carry` given back whole,
 `x` its new `prev_x`). An item written as another expression fits any value; a per-step
-argument named there counts as one step's slice. A tuple whose every item is a parameter's
-name (`(params, opt_state)`), none of them looking per-step, is always looked into: names
-decide before abstract values.
+argument named there counts as one step's slice. A tuple naming a parameter that does not
+look per-step (`(params, new_ema)`) is always looked into: names decide before abstract
+values.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
                 children.append(None)
                 continue
             inner, held = kept(child)
-            # Every item a parameter's name, none of them one that looks per-step: those
-            # names decide (rule 2 before rule 3).
-            named_only = all(
+            # A parameter named there that does not look per-step: the names decide (rule 2
+            # before rule 3); a per-step input's name is a carry's input (`(h, x)`).
+            named = any(
                 c is None and h is not _ANY and not _leading(h, num_steps)
                 for c, h in zip(inner, held, strict=True)
             )
-            whole = not named_only and any(_fits(held, w, num_steps) for w in wholes)
+            whole = not named and any(_fits(held, w, num_steps) for w in wholes)
             children.append(None if whole else inner)
             holds.append(held)
         return tuple(children), _Written(holds)

@@ -90,12 +90,26 @@ def refuse_nested_state(
     positions: list[int],
     outputs: list[Any],
     num_steps: int,
+    flow: Callable[[], list[Flow]],
 ) -> None:
     """A container argument left broadcast whose value comes back nested inside an output
-    (`return (params, opt_state), loss`): at num_steps > 1 every step would restart from the
-    value passed in, silently. Refused, with the fix."""
-    for p, pos in _open_containers(values, pending, given_back, positions):
-        path = _nested_path(values[p], outputs[pos], p)
+    (`return (params, opt_state), loss`), or an array (not a scalar) whose new value does,
+    computed from it other than through reductions alone (`(new_mu, new_var)` for `mu` and
+    `var`, `new_mu = 0.9 * mu + 0.1 * x.mean(0)`): at num_steps > 1 every step would restart
+    from the value passed in, silently. Refused, with the fixes."""
+    taken = set(given_back.values())
+    bare = [
+        (p, pos)
+        for p in pending
+        if p not in given_back and is_array(values[p]) and np.ndim(values[p]) > 0
+        for pos in positions
+        if pos not in taken
+    ]
+    for p, pos in [*_open_containers(values, pending, given_back, positions), *bare]:
+        if (p, pos) in bare:
+            path = _nested_array(p, values[p], outputs[pos], flow()[pos])
+        else:
+            path = _nested_path(values[p], outputs[pos], p)
         if path is not None:
             raise error(
                 OptionError,
@@ -247,12 +261,7 @@ def refuse_unlinked(
                 continue
             why = "it holds gradients, computed from whatever the loss reads"
         else:
-            inputs = (
-                _single_inputs(values, per_step, num_steps)
-                if scalar_container(values[p])
-                else per_step
-            )
-            found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], inputs, varying)
+            found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], per_step, varying)
             if found is None:
                 continue
             why = found
@@ -262,20 +271,6 @@ def refuse_unlinked(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
             num_steps=num_steps,
         )  # fmt: skip
-
-
-def _single_inputs(
-    values: dict[str, Any], per_step: frozenset[str], num_steps: int
-) -> frozenset[str]:
-    """The per-step arguments of one element a step (a reward, a done flag): a leaf of a
-    container of scalars made from them alone is a carry's input (`(prev_r, prev_done)`);
-    one made from a batch alone is a statistic of it, as a metric is (`(jnp.mean(x),
-    jnp.std(x))` beside the `(mu, sd)` the step normalises by)."""
-    return frozenset(
-        q
-        for q in per_step
-        if all(np.size(x) <= num_steps for x in jax.tree_util.tree_leaves(values[q]))
-    )
 
 
 def _unlinked_leaf(
@@ -291,11 +286,15 @@ def _unlinked_leaf(
     first leaf that says so); None if no leaf says so."""
     here = flows[pos]
     # (a leaf given back as another argument's leaf came, or made from this step's inputs
-    # alone, is a carry's input: `(h, x)`, `(h, x / 2)`)
+    # alone, is a carry's input: `(h, x)`, `(h, x / 2)`; not for a container of scalars,
+    # where per-step rewards or batch statistics look as much like a metric logged beside
+    # hyperparameters, `(reward, done)` beside `(gamma, lam)`)
+    carry_inputs = not scalar_container(value)
     unlinked = [
         i
         for i, (sources, owner) in enumerate(zip(here.leaves, here.owners, strict=True))
-        if p not in sources and owner is None and not (sources and sources <= per_step)
+        if p not in sources
+        and not (carry_inputs and (owner is not None or (sources and sources <= per_step)))
     ]
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
     if unlinked:
@@ -481,6 +480,19 @@ def check_state_at(
             raise error(
                 OptionError, STATE_AT_NESTED, analysis, param=p, pos=pos, path=f"[{pos}]{path}"
             )
+
+
+def _nested_array(p: str, value: Any, out: Any, here: Flow) -> str | None:
+    """Where inside `out` (a container) a leaf of `value`'s shape and dtype computed from `p`
+    other than through reductions alone is, if anywhere."""
+    found = jax.tree_util.tree_flatten_with_path(out)[0]
+    if len(found) < 2 and not any(path for path, _ in found):
+        return None  # (a bare array position: matched at its place, `matching.bare_at_place`)
+    for (path, leaf), smooth in zip(found, here.smooth, strict=True):
+        same = np.shape(leaf) == np.shape(value) and np.dtype(leaf.dtype) == value.dtype
+        if same and p in smooth:
+            return jax.tree_util.keystr(path)
+    return None
 
 
 def _nested_path(value: Any, out: Any, name: str) -> str | None:

@@ -2345,7 +2345,7 @@ def test_a_tuple_written_with_parameters_names_is_looked_into():
 
 @claim(
     PAGE,
-    "It stays one position where some item is not a parameter's name, or is a per-step input's, and an argument could be the whole tuple's new value, a tuple, list or named tuple of its length whose items have the abstract values of the parameters named there (`return w, (h, x)` beside `carry = (h, prev_x)`).",
+    "It stays one position where it names no parameter but per-step inputs and an argument could be the whole tuple's new value, a tuple, list or named tuple of its length whose items have the abstract values of the parameters named there (`return w, (h, x)` beside `carry = (h, prev_x)`).",
 )
 @claim(
     PAGE,
@@ -2378,13 +2378,13 @@ def test_a_written_tuple_an_argument_could_be_stays_one_position():
 
 @claim(
     PAGE,
-    "For a container of scalar arrays, a leaf made from per-step arguments alone is a carry's input only where each of them is one element a step (a reward, a done flag: `(prev_r, prev_done)`); made from a batch, it is a statistic of it, as a metric is (`(jnp.mean(x), jnp.std(x))` beside the `(mu, sd)` the step normalises by): the same `autoflat.OptionError`.",
+    'For a container of scalar arrays, a leaf made from per-step arguments alone, or given back as another argument came, is not a carry\'s input: per-step rewards and batch statistics look as much like metrics logged beside hyperparameters (`(reward, done)` beside `(gamma, lam)`, `(jnp.mean(x), jnp.std(x))` beside the `(mu, sd)` the step normalises by): the same `autoflat.OptionError`, where `state={"prev": 1}` carries a `(prev_r, prev_done)`.',
 )
 @claim(
     PAGE,
     '`def update(w, norm, x, y): mu, sd = norm; ... return w, (jnp.mean(x), jnp.std(x))`, `num_steps > 1` | an `OptionError`: the statistics are made from the batch alone, not from `norm`; `broadcast="norm"` or `state={"norm": 1}`',
 )
-def test_statistics_of_a_batch_beside_scalars_it_is_normalised_by_are_asked_about():
+def test_per_step_values_beside_a_container_of_scalars_are_asked_about():
     def update(w, norm, x, y):
         mu, sd = norm
         xn = (x - mu) / sd
@@ -2409,10 +2409,39 @@ def test_statistics_of_a_batch_beside_scalars_it_is_normalised_by_are_asked_abou
     np.testing.assert_allclose(w, rw, rtol=1e-6)
     rs, dones = data(K), (jnp.arange(K) % 2).astype(jnp.float32)
     prev = (jnp.float32(1.0), jnp.float32(0.0))
-    step = autoflat.step(td, num_steps=K)
+    with pytest.raises(
+        autoflat.OptionError, match=r"its leaf at `\[0\]` is not computed from `prev`"
+    ):
+        autoflat.step(td, num_steps=K)(jnp.zeros(()), prev, rs, dones)
+    step = autoflat.step(td, num_steps=K, state={"prev": 1})
     (w, p), _ = step_loop(step, (jnp.zeros(()), prev), (rs, dones), K, K)
     (want_w, want_p), _ = jit_loop(td, (jnp.zeros(()), prev), (rs, dones), K)
     tree_allclose((w, p), (want_w, want_p), rtol=1e-6)
+
+
+@claim(
+    PAGE,
+    "with `num_steps > 1`, state inside it is an `autoflat.OptionError` that asks for the parameters' names there or a position of its own (a container given back there, or an array, not a scalar, whose same-shaped leaf there is computed from it other than through reductions alone: `(new_mu, new_var)` for `mu` and `var`);",
+)
+def test_state_inside_a_tuple_written_without_names_is_asked_about():
+    def flat(w, mu, var, x):
+        new_mu = 0.9 * mu + 0.1 * x.mean(0)
+        new_var = 0.9 * var + 0.1 * x.var(0)
+        return w + new_mu.sum(), (new_mu, new_var), jnp.sum(x)
+
+    def named(w, mu, var, x):
+        w, (mu, var), total = flat(w, mu, var, x)
+        return w, (mu, var), total
+
+    xs, start = data(K, 5, 3), (jnp.ones(()), jnp.zeros(3), jnp.ones(3))
+    with pytest.raises(autoflat.OptionError, match=r"`mu` comes back inside return position 1"):
+        autoflat.step(flat, num_steps=K)(*start, xs)
+    w, (mu, var), _ = autoflat.step(named, num_steps=K)(*start, xs)
+    want = start
+    for i in range(K):
+        w2, (m2, v2), _ = jax.jit(named)(*want, xs[i])
+        want = (w2, m2, v2)
+    tree_allclose((w, mu, var), want, rtol=1e-6)
 
 
 @claim(
