@@ -412,7 +412,10 @@ def _type_changed(value: Any, out: Any) -> tuple[str, str, str] | None:
         return (
             "tree structure",
             f"{_outer(value)} comes back as {_outer(out)}",
-            "the same container types, `tuple(...)` where a list is built",
+            f"the same container types: `{type(value).__name__}(...)` where the step builds "
+            f"`{type(out).__name__}`"
+            if type(value) is not type(out)
+            else "the same container types, `tuple(...)` where a list is built",
         )
     for (path, a), (_, b) in zip(before, after, strict=True):
         if np.dtype(a.dtype) != np.dtype(b.dtype):
