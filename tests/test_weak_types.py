@@ -10,6 +10,7 @@ or packed: the layout says which leaves are weakly typed) and compiles as often 
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any
 
@@ -174,33 +175,44 @@ def _weak(tree: Any) -> list[Any]:
     return [(x.dtype, _jax.weak_type(x)) for x in jax.tree.leaves(autoflat.unwrap(tree))]
 
 
+@functools.cache
+def _jit_loop(jitted_reset: bool) -> tuple[Any, list[Any], int]:
+    """Three calls of `jax.jit(update_step)` from `_runner_state(jitted_reset)`: the final
+    state, each call's metrics, and its traces (computed once for both `pack`s; only read)."""
+    ref_traces: list[int] = []
+    ref = jax.jit(_counted(update_step, ref_traces))
+    r = _runner_state(jitted_reset)
+    metrics = []
+    for _ in range(3):
+        r, r_metric = ref(r)
+        metrics.append(r_metric)
+    return r, metrics, len(ref_traces)
+
+
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("jitted_reset", [True, False])
 def test_rl_state_with_weakly_typed_counters_at_one_step_a_call(pack, jitted_reset):
     start = _runner_state(jitted_reset)
     if jitted_reset:
         assert _jax.weak_type(start[2].episode_returns)  # as gymnax + LogWrapper hand it over
-    ref_traces: list[int] = []
-    ref = jax.jit(_counted(update_step, ref_traces))
+    r, r_metrics, ref_traces = _jit_loop(jitted_reset)
     step = autoflat.step(update_step, pack=pack)
-    r, a = start, start
-    for _ in range(3):
-        r, r_metric = ref(r)
+    a = start
+    for r_metric in r_metrics:
         a, a_metric = step(a)
         tree_allclose(a_metric, r_metric)
     tree_allclose(a, r)
     assert _weak(a) == _weak(r)
     # as many compiles as jax.jit: the counters' types settle after the first call
-    assert step.stats.traces == len(ref_traces) == 2
+    assert step.stats.traces == ref_traces == 2
 
 
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("jitted_reset", [True, False])
-def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_reset):
-    k = 4
-    start = _runner_state(jitted_reset)
-    step = autoflat.step(update_step, num_steps=k, pack=pack)
-
+@functools.cache
+def _scanned_loops(jitted_reset: bool, k: int) -> tuple[Any, list[Any], int, Any, Any]:
+    """Two calls of a hand-written `jax.jit` of a k-step `lax.scan` of `update_step`, and 2 * k
+    calls of `jax.jit(update_step)`, from `_runner_state(jitted_reset)`: the scan's final state,
+    each of its calls' metrics and its traces; the plain loop's final state and last metric
+    (computed once for both `pack`s; only read)."""
     scanned_traces: list[int] = []
 
     @jax.jit
@@ -209,12 +221,26 @@ def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_r
         return jax.lax.scan(lambda c, _: update_step(c), runner_state, None, k)
 
     plain = jax.jit(update_step)
-    a, s, p = start, start, start
+    s, p = _runner_state(jitted_reset), _runner_state(jitted_reset)
+    metrics = []
     for _ in range(2):
-        a, a_metrics = step(a)
         s, s_metrics = scanned(s)
+        metrics.append(s_metrics)
         for _ in range(k):
             p, p_metric = plain(p)
+    return s, metrics, len(scanned_traces), p, p_metric
+
+
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("jitted_reset", [True, False])
+def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_reset):
+    k = 4
+    start = _runner_state(jitted_reset)
+    step = autoflat.step(update_step, num_steps=k, pack=pack)
+    s, s_calls, scanned_traces, p, p_metric = _scanned_loops(jitted_reset, k)
+    a = start
+    for s_metrics in s_calls:
+        a, a_metrics = step(a)
         tree_allclose(a_metrics, s_metrics)
     tree_allclose(a, s)
     tree_allclose(a, p)
@@ -222,7 +248,7 @@ def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_r
     assert _weak(a) == _weak(s)
     # the num_steps scan promotes the weakly typed counters, as lax.scan does: its second
     # call sees them float32, as the hand-written scan's does
-    assert step.stats.traces == len(scanned_traces) == 2
+    assert step.stats.traces == scanned_traces == 2
 
 
 # -- what the step sees -----------------------------------------------------------------------
