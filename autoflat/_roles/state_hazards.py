@@ -492,7 +492,7 @@ def _nested_array(p: str, value: Any, out: Any, here: Flow) -> str | None:
     if len(found) < 2 and not any(path for path, _ in found):
         return None  # (a bare array position: matched at its place, `matching.bare_at_place`)
     for (path, leaf), smooth in zip(found, here.smooth, strict=True):
-        same = np.shape(leaf) == np.shape(value) and np.dtype(leaf.dtype) == value.dtype
+        same = np.shape(leaf) == np.shape(value) and getattr(leaf, "dtype", None) == value.dtype
         if same and p in smooth:
             return jax.tree_util.keystr(path)
     return None
