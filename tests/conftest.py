@@ -12,6 +12,7 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402  (strict dtype promotion is off: optax itself promotes int32 counts with Python floats)
+import smoke_runs  # noqa: E402
 
 # The suite compiles many identical programs (the same small models and reference loops in
 # many tests): an XLA compilation cache for this run alone compiles each once. A fresh folder
@@ -28,3 +29,13 @@ def pytest_report_header(config):
     # `AUTOFLAT_PACK=off|on pytest` runs the whole suite with that transport as the default of
     # autoflat.step (the `tests_pack` nox sessions run `off` and `on`); autoflat reads it itself.
     return f"autoflat transport (AUTOFLAT_PACK): {os.environ.get('AUTOFLAT_PACK', 'auto')}"
+
+
+def pytest_collection_finish(session):
+    # The examples' smoke runs that the selected tests check, started now in the background
+    # (tests/smoke_runs.py): on two cores they take the core that the suite leaves idle.
+    smoke_runs.start(smoke_runs.scripts_of(session.items))
+
+
+def pytest_sessionfinish(session):
+    smoke_runs.stop()

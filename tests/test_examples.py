@@ -1,54 +1,16 @@
 """The examples run top to bottom (in their fast smoke mode) and print what they claim.
 
-Each example runs in its own subprocess, as a user would run it. The selected ones are started
-together when the first of these tests needs one, two at a time (their time is mostly
-single-threaded XLA compilation, so two share two cores well), longest first.
+Each example runs in its own subprocess, as a user would run it (`smoke_runs`). The selected
+ones start in the background as soon as the session has collected the tests (`conftest.py`),
+one at a time beside the suite, longest first; two at a time once a test here waits on them.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-# script -> (modules it needs, extra arguments); in order of start (longest first)
-SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "pax_resnet50.py": (("equinox", "sklearn", "tqdm"), ()),
-    "train_digits.py": (("sklearn", "tqdm"), ()),
-    "equinox_batchnorm.py": (("equinox", "sklearn", "tqdm"), ()),
-    "nnx_metrics.py": (("flax", "sklearn", "tqdm"), ()),
-    "data_parallel.py": (("sklearn", "tqdm"), ()),
-    "checkpointing.py": (("sklearn", "tqdm"), ()),
-}
-PLOT = "checkpointing.py"  # one example also writes its plot, where matplotlib is installed
-
-
-def _missing(script: str) -> list[str]:
-    return [m for m in SCRIPTS[script][0] if importlib.util.find_spec(m) is None]
-
-
-def _run(script: str, *args: str) -> str:
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def _script_of(item: pytest.Item) -> str | None:
-    return getattr(getattr(item, "function", None), "script", None)
+import smoke_runs
 
 
 def example(script: str):
@@ -62,29 +24,19 @@ def example(script: str):
 
 
 @pytest.fixture(scope="module")
-def smoke(request, tmp_path_factory):
-    """Smoke runs of the examples that the selected tests check: script -> Future of stdout."""
-    selected = {_script_of(item) for item in request.session.items}
-    plot = tmp_path_factory.mktemp("plots") / "loss.png"
-    runs: dict[str, Future[str]] = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for script in SCRIPTS:
-            if script in selected and not _missing(script):
-                args = ["--smoke"]
-                if script == PLOT and importlib.util.find_spec("matplotlib") is not None:
-                    args += ["--plot", str(plot)]
-                runs[script] = pool.submit(_run, script, *args)
-        yield runs, plot
-        for future in runs.values():
-            future.cancel()
+def smoke(request):
+    """The smoke runs of the examples that the selected tests check (started by the
+    session's collection, or here where it did not start them)."""
+    runs = smoke_runs.start(smoke_runs.scripts_of(request.session.items))
+    yield runs
+    smoke_runs.stop()
 
 
 def _output(smoke, script: str) -> str:
-    missing = _missing(script)
+    missing = smoke_runs.missing(script)
     if missing:
         pytest.skip(f"{script} needs {', '.join(missing)}")
-    runs, _ = smoke
-    return runs[script].result()
+    return smoke.wait(script)
 
 
 @example("train_digits.py")
@@ -152,6 +104,5 @@ def test_checkpointing_smoke(smoke):
     assert "restored into fresh objects; resuming at call 3" in out
     assert "resumed parameters equal the uninterrupted run's bit for bit: True" in out
     assert "per-step losses equal bit for bit: True" in out
-    _, plot = smoke
     if importlib.util.find_spec("matplotlib") is not None:
-        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert smoke.plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
