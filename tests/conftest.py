@@ -33,8 +33,9 @@ def pytest_report_header(config):
 
 def pytest_collection_finish(session):
     # The examples' smoke runs that the selected tests check, started now in the background
-    # (tests/smoke_runs.py): on two cores they take the core that the suite leaves idle.
-    smoke_runs.start(smoke_runs.scripts_of(session.items))
+    # (tests/smoke_runs.py): on two cores they take the core that the suite leaves idle, niced.
+    if not session.config.option.collectonly:
+        smoke_runs.start(smoke_runs.scripts_of(session.items))
 
 
 def pytest_sessionfinish(session):

@@ -3,8 +3,9 @@
 Each example runs in its own subprocess, as a user would run it. `tests/conftest.py` starts
 the runs the selected tests need as soon as the session has collected them, one at a time,
 longest first: their time is mostly single-threaded XLA compilation, as is the suite's own, so
-on two cores one run beside the suite takes the other core. Once a test waits on them, a
-second run goes at a time (`wait`).
+on two cores one run beside the suite takes the other core. A run started so is niced
+(`NICE`): where no core is idle it yields to the suite instead of slowing it. Once a test
+waits on them, a second run goes at a time (`wait`), at the usual priority.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SCRIPTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 PLOT = "checkpointing.py"  # one example also writes its plot, where matplotlib is installed
 TIMEOUT_S = 600  # for each run
+NICE = 10  # the niceness of the runs started before a test waits on them
 
 
 def missing(script: str) -> list[str]:
@@ -50,6 +52,7 @@ class Runs:
         self._procs: list[subprocess.Popen[str]] = []
         self._lock = threading.Lock()
         self._stopped = False
+        self._background = True  # no test waits on the runs yet
         self._workers = 0
         for script in SCRIPTS:  # in SCRIPTS' order: longest first
             if script in scripts and not missing(script):
@@ -68,7 +71,14 @@ class Runs:
         threading.Thread(target=self._work, name="examples-smoke", daemon=True).start()
 
     def wait(self, script: str) -> str:
-        """The stdout of `script`'s run; two runs at a time from the first wait on."""
+        """The stdout of `script`'s run; two runs at a time from the first wait on, and the
+        runs started from then on at the usual priority."""
+        if self._background:
+            with self._lock:
+                self._background = False
+                procs = list(self._procs)
+            for proc in procs:  # where allowed (lowering a niceness may need privileges)
+                _renice(proc, 0)
         if self._workers < 2:
             self.add_worker()
         return self.futures[script].result()
@@ -93,6 +103,8 @@ class Runs:
                     return
                 script, args = self._queue.pop(0)
             future = self.futures[script]
+            if not future.set_running_or_notify_cancel():
+                continue
             try:
                 future.set_result(self._run(script, args))
             except BaseException as e:  # the test that waits on it raises it
@@ -111,6 +123,8 @@ class Runs:
                 env=env,
             )
             self._procs.append(proc)
+            if self._background:
+                _renice(proc, NICE)
         try:
             stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -121,6 +135,19 @@ class Runs:
             ) from None
         assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
         return stdout
+
+
+def _renice(proc: subprocess.Popen[str], niceness: int) -> None:
+    """Set the niceness of every thread of `proc` (Linux's is per thread), where allowed."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task")]
+    except OSError:
+        tids = [proc.pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:
+            pass
 
 
 _runs: Runs | None = None
