@@ -26,7 +26,8 @@ from libcst.helpers import (
     parse_template_statement,
 )
 
-from .._analysis.analysis import Analysis, flat_elements, nested, written
+from .._analysis.analysis import Analysis
+from .._analysis.returns import flat_elements, nested, written
 from .._errors import where
 from .._roles.roles import Roles
 

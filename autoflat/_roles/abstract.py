@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from .. import _jax
-from .._analysis.analysis import unnest
+from .._analysis.returns import unnest
 from .._handles import writeback as _writeback
 from .._handles.lazy import LazyHandle
 from .._transport.structure import computed_dtype, is_array, is_explicit

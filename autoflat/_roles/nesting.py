@@ -20,7 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._analysis.analysis import Analysis, renested
+from .._analysis.analysis import Analysis
+from .._analysis.returns import renested
 from .._errors import STATE_SPREAD, OptionError, error
 from .._handles.lazy import LazyHandle
 from .abstract import same_value

@@ -16,7 +16,8 @@ import dataclasses
 import functools
 from typing import Any, Literal
 
-from .._analysis.analysis import Analysis, nested, unnest
+from .._analysis.analysis import Analysis
+from .._analysis.returns import nested, unnest
 from .options import Options as Options
 from .options import Role as Role
 from .options import check_options as check_options
