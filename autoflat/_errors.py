@@ -129,11 +129,6 @@ UNSUPPORTED = """\
 
 {advice}"""
 
-VARIADIC = """\
-`{name}` ({where}) takes {construct}.
-
-{advice}"""
-
 UNSUPPORTED_ADVICE = {
     "yield": "A step function runs once per step and returns its results: replace `yield` by "
     "`return`, and build any sequence of per-step values as the step's outputs (autoflat "
@@ -148,10 +143,6 @@ UNSUPPORTED_ADVICE = {
     "starred": "autoflat needs to know at each `return` which position is which, before the "
     "step runs. Return every element by itself, or the extras as one tuple:\n\n"
     "    return p, a, b\n    return p, extras",
-    "varargs": "`jax.jit` accepts them, but autoflat gives each parameter a role by its name "
-    "(state, per-step, broadcast, static), and a variadic one has no name per argument. "
-    "Name every argument of the step explicitly:\n\n"
-    "    def update(model, opt_state, batch, key): ...",
 }
 
 RETURNS_DISAGREE = """\
@@ -267,6 +258,16 @@ position {pos} stacks them (as given)
     @autoflat.step(num_steps={num_steps}, state="{param}")      # the whole array every step
 """
 
+HELD_NO_ARRAYS_FIRST = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` held no arrays at the first \
+call, so nothing said whether it is a per-step input, and it was taken as the same for every \
+step (broadcast). Now it holds {shape}, with a leading axis of {num_steps} = num_steps: read \
+as broadcast, every step would see the whole chunk. Say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
+    @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
+"""
+
 MIXED_ARGUMENT = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: some array leaves of `{param}` have a \
 leading axis of {num_steps} (one entry per step) and others do not: `{path}` is {shape}. \
@@ -277,6 +278,14 @@ it into two arguments, or say which it is:
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
     @autoflat.step(num_steps={num_steps}, state="{param}")       # its new value is returned
 """
+
+MIXED_VARIADIC = (
+    MIXED_ARGUMENT
+    + """
+`{param}` is `{star}{param}`: its items take one role together. To give each its own, name \
+them as parameters (`def step(model, x, y, lr)`, not `def step(model, *batch)`).
+"""
+)
 
 RAW_KEY_OR_PER_STEP = """\
 Calling `{name}` ({where}) with num_steps=2: `{param}` is uint32[2], which is a raw PRNG key \

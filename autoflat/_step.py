@@ -121,7 +121,7 @@ class Step:
             per_step=per_step_,
             state_at=state_at,
             instance=_instance_param(params, state_ | static_ | broadcast_),
-            bound=_bound_names(self._bound, params),
+            bound=_bound_names(self._bound, params, analysis.variadic),
         )
         self.num_steps = num_steps
         _check_flags(analysis, donate=donate, lazy=lazy, unroll=unroll)
@@ -135,7 +135,9 @@ class Step:
         self.pack: PackMode = pack
         self._signature = inspect.signature(self._user_fn)
         self._params = params
-        self._n_params = len(params)
+        # (A call with as many positional arguments as there are parameters is taken as it
+        # is, with no `inspect.Signature.bind`; never with `*args` or `**kwargs`.)
+        self._n_params = -1 if analysis.variadic else len(params)
         self._bound_tail = _keyword_tail(self._bound, params)
         self._diag = Diagnostics(analysis.name, analysis.where)
         self._origin = Origin(analysis.name, analysis.where, self._diag.stats)
@@ -313,10 +315,12 @@ def _renewer(step: Step) -> Callable[[], None]:
     return renew
 
 
-def _bound_names(bound: Bound, params: tuple[str, ...]) -> frozenset[str]:
+def _bound_names(bound: Bound, params: tuple[str, ...], variadic: frozenset[str]) -> frozenset[str]:
     """The parameters a step's `functools.partial`s bind: the first ones by position, the
-    others by name (a keyword that is no parameter fails at the call, as the partial would)."""
-    return frozenset(params[: len(bound.args)]) | (frozenset(bound.keywords) & set(params))
+    others by name (a keyword that is no parameter fails at the call, as the partial would).
+    Never `*args` or `**kwargs`, whose value the call may add to."""
+    named = frozenset(params[: len(bound.args)]) | (frozenset(bound.keywords) & set(params))
+    return named - variadic
 
 
 def _keyword_tail(bound: Bound, params: tuple[str, ...]) -> tuple[Any, ...] | None:

@@ -28,7 +28,6 @@ from .._errors import (
     RETURNS_DISAGREE,
     UNSUPPORTED,
     UNSUPPORTED_ADVICE,
-    VARIADIC,
     Located,
     Location,
     SourceError,
@@ -40,7 +39,9 @@ from .returns import flat_elements, nest_of
 from .source import matches_code, read_source, unwrap_function
 from .visitor import Visitor
 
-ParamKind = Literal["positional_only", "positional_or_keyword", "keyword_only"]
+ParamKind = Literal[
+    "positional_only", "positional_or_keyword", "var_positional", "keyword_only", "var_keyword"
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,11 @@ class Analysis:
         return tuple(p.name for p in self.params)
 
     @property
+    def variadic(self) -> frozenset[str]:
+        """`*args` and `**kwargs`, by name."""
+        return frozenset(p.name for p in self.params if p.kind.startswith("var_"))
+
+    @property
     def where(self) -> str:
         return where(self.filename, self.def_line)
 
@@ -109,22 +115,28 @@ class Analysis:
         return parsed_line + self.line_offset
 
 
-def _params(fn: Callable[..., Any]) -> tuple[tuple[Param, ...], list[str]]:
-    """The named parameters of `fn`, and its variadic ones (`*args`, `**kwargs`) as shown."""
-    kinds: dict[Any, ParamKind] = {
-        inspect.Parameter.POSITIONAL_ONLY: "positional_only",
-        inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
-        inspect.Parameter.KEYWORD_ONLY: "keyword_only",
-    }
-    params = []
-    variadic = []
-    for p in inspect.signature(fn).parameters.values():
-        if p.kind in kinds:
-            params.append(Param(p.name, kinds[p.kind], p.default is not inspect.Parameter.empty))
-        else:
-            star = "*" if p.kind is inspect.Parameter.VAR_POSITIONAL else "**"
-            variadic.append(star + p.name)
-    return tuple(params), variadic
+_KINDS: dict[Any, ParamKind] = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
+    inspect.Parameter.VAR_POSITIONAL: "var_positional",
+    inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+    inspect.Parameter.VAR_KEYWORD: "var_keyword",
+}
+
+
+def _params(fn: Callable[..., Any]) -> tuple[Param, ...]:
+    """The parameters of `fn` in order. A variadic one (`*args`, `**kwargs`) is one parameter
+    whose value is what Python binds to it, the tuple or dict of the call's extra arguments
+    (empty by default)."""
+    return tuple(
+        Param(
+            p.name,
+            _KINDS[p.kind],
+            p.default is not inspect.Parameter.empty
+            or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD),
+        )
+        for p in inspect.signature(fn).parameters.values()
+    )
 
 
 def _describe_return(
@@ -251,10 +263,10 @@ def analyse(fn: Callable[..., Any]) -> Analysis:
     source, filename, first_line = read_source(fn)
     at = Location(fn.__qualname__, where(filename, first_line))
     module, funcdef = _parse(source, at)
-    params, variadic = _params(fn)
+    params = _params(fn)
     _check_unchanged(fn, source, funcdef, params, at)
     code = _annotate(fn.__qualname__, filename, first_line - 1, module, funcdef)
-    _check_supported(code, variadic)
+    _check_supported(code)
     returns = _returns(code, params)
     return _analysis(code, params, returns)
 
@@ -290,7 +302,12 @@ def _check_unchanged(
 ) -> None:
     """Raise a `SourceError` if the source on disk is no longer that of the function."""
     fp = funcdef.params
-    in_source = [p.name.value for p in (*fp.posonly_params, *fp.params, *fp.kwonly_params)]
+    star = [fp.star_arg] if isinstance(fp.star_arg, cst.Param) else []
+    star_kwarg = [fp.star_kwarg] if fp.star_kwarg is not None else []
+    in_source = [
+        p.name.value
+        for p in (*fp.posonly_params, *fp.params, *star, *fp.kwonly_params, *star_kwarg)
+    ]
     if (
         funcdef.name.value != fn.__code__.co_name
         or in_source != [p.name for p in params]
@@ -347,7 +364,7 @@ def _annotate(
     return _Annotated(name, filename, line_offset, funcdef, visitor, positions, scopes)
 
 
-def _check_supported(code: _Annotated, variadic: list[str]) -> None:
+def _check_supported(code: _Annotated) -> None:
     """Raise a `SourceError` at the first construct the generated code cannot hold."""
     offset = code.line_offset
     unsupported = [(c, line + offset) for c, line in code.visitor.unsupported]
@@ -357,15 +374,13 @@ def _check_supported(code: _Annotated, variadic: list[str]) -> None:
         if isinstance(node.value, cst.Tuple)
         and any(isinstance(el, cst.StarredElement) for el in node.value.elements)
     ]
-    if variadic:
-        unsupported.append(("varargs", code.def_line))
     if unsupported:
         construct, line = unsupported[0]
         raise error(
             SourceError,
-            VARIADIC if construct == "varargs" else UNSUPPORTED,
+            UNSUPPORTED,
             code.at(line),
-            construct=_CONSTRUCTS.get(construct) or f"variadic parameters ({', '.join(variadic)})",
+            construct=_CONSTRUCTS[construct],
             advice=UNSUPPORTED_ADVICE[construct],
         )
 

@@ -468,12 +468,15 @@ def _bind(param: str, role: str, roles: Roles, names: _Names, scanning: bool) ->
 
 def _header(analysis: Analysis, roles: Roles, num_steps: int) -> list[str]:
     """The header comment's lines: the source function, `num_steps`, every parameter's role
-    with its evidence, and what each returned position is."""
+    with its evidence (`*args`, `**kwargs` as written: one role each), and what each
+    returned position is."""
+    stars = {"var_positional": "*", "var_keyword": "**"}
+    written_as = {p.name: stars.get(p.kind, "") + p.name for p in analysis.params}
     header = [
         f"autoflat: generated from `{analysis.name}` at "
         f"{where(_short(analysis.filename), analysis.def_line)}",
         f"num_steps: {num_steps}",
-        *(f"{p}: {e}" for p, e in zip(roles.params, roles.evidence, strict=True)),
+        *(f"{written_as[p]}: {e}" for p, e in zip(roles.params, roles.evidence, strict=True)),
     ]
     layout = roles.layout
     if layout.kind != "none":

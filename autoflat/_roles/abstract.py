@@ -79,13 +79,38 @@ def _explicit_sharding(x: Any, drop_axis: bool) -> Any:
     return sharding
 
 
-def _keyword_only(fn: Callable[..., Any]) -> frozenset[str]:
-    """The names of `fn`'s keyword-only parameters (after `*`): passed by name."""
+def _kinds(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The kind of each of `fn`'s parameters (`inspect.Parameter.KEYWORD_ONLY`, ...)."""
     try:
-        parameters = inspect.signature(fn).parameters.values()
+        return {p.name: p.kind for p in inspect.signature(fn).parameters.values()}
     except (TypeError, ValueError):
-        return frozenset()
-    return frozenset(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        return {}
+
+
+def _passing(fn: Callable[..., Any], params: tuple[str, ...]) -> Callable[[list[Any]], Any]:
+    """A function calling `fn` with one value per parameter, as Python bound them: a
+    keyword-only one by name, `*args`' tuple and `**kwargs`' dict spread."""
+    kinds = _kinds(fn)
+    P = inspect.Parameter
+    if all(kinds.get(p) in (None, P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD) for p in params):
+        return lambda args: fn(*args)
+
+    def call(args: list[Any]) -> Any:
+        positional: list[Any] = []
+        named: dict[str, Any] = {}
+        for p, a in zip(params, args, strict=True):
+            kind = kinds.get(p)
+            if kind is P.VAR_POSITIONAL:
+                positional.extend(a)
+            elif kind is P.KEYWORD_ONLY:
+                named[p] = a
+            elif kind is P.VAR_KEYWORD:
+                named.update(a)
+            else:
+                positional.append(a)
+        return fn(*positional, **named)
+
+    return call
 
 
 def one_step_call(
@@ -115,13 +140,11 @@ def one_step_call(
                     p in scalars or (scanned and num_steps == 1),
                 )
             )
-    keyword_only = _keyword_only(fn)
+    passing = _passing(fn, params)
 
     def call(args: list[Any]) -> Any:
-        positional = [a for p, a in zip(params, args, strict=True) if p not in keyword_only]
-        named = {p: a for p, a in zip(params, args, strict=True) if p in keyword_only}
         with _writeback.untouched(params, args, None):  # no traced value left in your objects
-            return fn(*positional, **named)
+            return passing(args)
 
     return parts, call
 

@@ -28,6 +28,7 @@ import numpy as np
 from .._analysis.analysis import Analysis
 from .._errors import (
     MIXED_ARGUMENT,
+    MIXED_VARIADIC,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
     RETURNED_PER_STEP,
@@ -209,14 +210,16 @@ def leading_axis_error(analysis: Analysis, p: str, value: Any, num_steps: int) -
         for path, leaf in paths
         if not (is_array(leaf) and np.ndim(leaf) >= 1 and np.shape(leaf)[0] == num_steps)
     )
+    star = next((q.kind for q in analysis.params if q.name == p), "")
     return error(
         ShapeError,
-        MIXED_ARGUMENT,
+        MIXED_VARIADIC if star.startswith("var_") else MIXED_ARGUMENT,
         analysis,
         param=p,
         path=f"{p}{jax.tree_util.keystr(bad[0])}",
         shape=_shape_of(bad[1]),
         num_steps=num_steps,
+        star="*" if star == "var_positional" else "**",
     )
 
 

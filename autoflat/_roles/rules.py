@@ -464,14 +464,24 @@ def defaulted(fn: Callable[..., Any], values: Mapping[str, Any]) -> frozenset[st
 
 
 def no_leading_axis(ctx: Context, p: str) -> Evidence | None:
-    """With num_steps > 1, no array leaf has a leading axis of num_steps: broadcast."""
+    """With num_steps > 1, no array leaf has a leading axis of num_steps: broadcast. A value
+    with no array at all (`()`, an empty `*args`) is broadcast too, for want of evidence: a
+    later call whose value there holds arrays with that leading axis is refused
+    (`_runtime.call`), not silently read as broadcast."""
     call = ctx.call
     if call is None or call.num_steps == 1:
         return None
     k = call.num_steps
-    if _with_axis(jax.tree_util.tree_leaves(call.values[p]), k):
+    leaves = jax.tree_util.tree_leaves(call.values[p])
+    if _with_axis(leaves, k):
         return None
+    if not any(map(is_array, leaves)):
+        return taken_from(ctx, p, ("broadcast", HELD_NO_ARRAYS))
     return taken_from(ctx, p, ("broadcast", f"no leading axis of num_steps={k} at the first call"))
+
+
+# The evidence of a broadcast argument that held no array at the first call.
+HELD_NO_ARRAYS = "no arrays at the first call"
 
 
 # --- rule 13 -------------------------------------------------------------------------------

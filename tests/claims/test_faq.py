@@ -144,14 +144,6 @@ def _nonlocal():
     return update
 
 
-def _star(params, *args):
-    return params
-
-
-def _kwargs(params, **kwargs):
-    return params
-
-
 def _shapes(params, x):
     if x is None:
         return params
@@ -187,13 +179,6 @@ def test_global_and_nonlocal_are_refused():
         message = _source_error(fn)
         assert f"`{word}`" in message and "only while tracing" in message
         assert "Return the value instead" in message
-
-
-@claim(FAQ, "| `*args`, `**kwargs` | roles are given per named parameter | name every parameter |")
-def test_variadic_parameters_are_refused():
-    for fn in (_star, _kwargs):
-        message = _source_error(fn)
-        assert "variadic parameters" in message and "Name every argument" in message
 
 
 @claim(

@@ -17,6 +17,7 @@ reason says what happens instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 import typing
@@ -1216,6 +1217,32 @@ def test_rule_12_no_leaf_with_the_leading_axis_is_broadcast():
         role_line(step, "full")
         == "broadcast (no leading axis of num_steps=4 at the first call) [rule: no-leading-axis]"
     )
+
+
+def _shifted(w, extra):
+    return w * 0.5 + sum(e.sum() for e in extra)
+
+
+@claim(
+    PAGE,
+    "(or it holds no array at all: a later call where it holds arrays with that leading axis is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
+)
+@claim(PAGE, "`broadcast (no arrays at the first call)`")
+def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step_ones():
+    step = autoflat.step(_shifted, num_steps=K)
+    w = step(jnp.ones(3), ())
+    assert role_line(step, "extra") == (
+        "broadcast (no arrays at the first call) [rule: no-leading-axis]"
+    )
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w, (data(K, 2),))
+    message = str(info.value)
+    assert "`extra` held no arrays at the first call" in message
+    assert 'per_step="extra"' in message and 'broadcast="extra"' in message
+    tree_allclose(w, jnp.full(3, 0.5**K))  # nothing consumed
+    full = data(2, 3, seed=1)  # no leading axis of K: broadcast, as the rule says
+    (rw,), _ = jit_loop(lambda w, e: (_shifted(w, e),), (w,), (), K, ((full,),))
+    tree_allclose(step(w, (full,)), rw, rtol=1e-5)
 
 
 # Row 13: as-passed
@@ -2930,6 +2957,95 @@ def test_per_step_inputs_with_another_leading_axis_read_as_broadcast(axis):
     )
     fix = "pass 3 per call" if axis == 4 else 'say so with `per_step="ys"`'
     assert fix in message
+
+
+# --- `*args` and `**kwargs` -----------------------------------------------------------------
+
+
+def _star_batch(w, *batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+def _star_kwargs(w, **batch):
+    return _star_batch(w, batch["x"], batch["y"])
+
+
+@claim(
+    PAGE,
+    'A variadic parameter is one parameter, as Python binds it: `*batch` holds the tuple of the call\'s extra positional arguments, `**kwargs` the dict of its extra keywords (empty when there are none). It takes one role for all its items, by the rules above as any tuple or dict argument, and the options name it without the stars (`per_step="batch"`); `show()` writes it as the signature does:',
+)
+def test_variadic_parameters_take_one_role_each():
+    xs, ys = data(8, 5, 3), data(8, 5, seed=1)
+    (rw,), (rl,) = jit_loop(_star_batch, (jnp.ones(3),), (xs, ys), 8)
+    step = autoflat.step(_star_batch, num_steps=K)
+    (w,), (losses,) = step_loop(step, (jnp.ones(3),), (xs, ys), 8, K)
+    tree_allclose((w, losses), (rw, rl), rtol=1e-5)
+    assert role_line(step, "*batch").startswith("scanned (per-step: leading axis 4")
+    kw = autoflat.step(_star_kwargs, num_steps=K)
+    w, losses = kw(jnp.ones(3), x=xs[:K], y=ys[:K])
+    w, more = kw(w, x=xs[K:], y=ys[K:])
+    tree_allclose((w, jnp.concatenate([losses, more])), (rw, rl), rtol=1e-5)
+    assert role_line(kw, "**batch").startswith("scanned (per-step")
+    # Named by the options without the stars; with no extras, `()`.
+    bc = autoflat.step(_star_batch, num_steps=K, broadcast="batch")
+    bc(jnp.ones(3), xs[0], ys[0])
+    assert role_line(bc, "*batch").startswith("broadcast (broadcast=)")
+
+
+def _with_rate(w, *batch):
+    x, y, lr = batch
+    return w - lr * jnp.mean(x), jnp.mean(y)
+
+
+@claim(
+    PAGE,
+    "Items that need different roles (a per-step batch beside a learning rate the same every step) are the mixed case above: the `autoflat.ShapeError` says to name them as parameters of their own.",
+)
+def test_variadic_items_of_different_roles_ask_to_name_them():
+    w = jnp.ones(3)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_with_rate, num_steps=K)(w, data(K, 5), data(K, 5), jnp.float32(0.1))
+    assert "its items take one role together" in str(info.value)
+    assert "name them as parameters" in str(info.value)
+    tree_allclose(w, jnp.ones(3))
+
+
+def _extras(w, *extra):
+    return w * 0.5 + sum(e.sum() for e in extra), jnp.float32(len(extra))
+
+
+@claim(
+    PAGE,
+    "A variadic parameter with no arrays at the first call (no extras passed) is broadcast for want of evidence, and a later call that passes arrays with a leading axis of `num_steps` there is an `autoflat.ShapeError` naming `per_step=` and `broadcast=`, as for any argument that held no arrays. A different number of extras compiles again, as under `jax.jit`.",
+)
+def test_variadic_with_no_extras_then_extras():
+    step = autoflat.step(_extras, num_steps=K)
+    w, _ = step(jnp.ones(3))
+    assert role_line(step, "*extra").startswith("broadcast (no arrays at the first call)")
+    with pytest.raises(autoflat.ShapeError, match='per_step="extra"'):
+        step(w, data(K, 2))
+    counted = autoflat.step(_extras, num_steps=K, per_step="extra")
+    w, n0 = counted(jnp.ones(3))
+    w, n2 = counted(w, data(K, 2), data(K, 3, seed=1))
+    (rw,), (rn,) = jit_loop(_extras, (jnp.ones(3),), (), K)
+    (rw,), (rn2,) = jit_loop(_extras, (rw,), (data(K, 2), data(K, 3, seed=1)), K)
+    tree_allclose((w, n0, n2), (rw, rn, rn2), rtol=1e-5)
+    assert autoflat.stats(counted).traces == 2
+
+
+@claim(
+    PAGE,
+    "A `functools.partial` that binds some of `*args` binds the parameters before it (rule 10); the variadic one is the call's.",
+)
+def test_partial_into_variadic_binds_the_named_ones():
+    x, y = data(1, 5, 3)[0], data(1, 5, seed=1)[0]
+    fn = functools.partial(_star_batch, jnp.ones(3), x)
+    step = autoflat.step(fn)
+    tree_allclose(step(y), jax.jit(fn)(y), rtol=1e-6)
+    assert role_line(step, "w").startswith("broadcast (bound by functools.partial")
+    assert "bound" not in role_line(step, "*batch")
 
 
 # === Python numbers with num_steps=1 ========================================================

@@ -1,0 +1,309 @@
+"""`*args` and `**kwargs` steps, taken as `jax.jit` takes them. A variadic parameter is one
+parameter whose value is what Python binds to it (the tuple of the call's extra positional
+arguments, the dict of its extra keywords, empty by default) and takes one role, by the same
+rules as any tuple or dict argument; the options name it (`per_step="batch"`), and `show()`
+writes it as it is written (`*batch`). Each case is compared with a loop of `jax.jit` calls
+of the same function, one step a call, feeding the state back.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import tree_allclose
+
+import autoflat
+
+K = 4
+
+
+def _role_line(step, param):
+    return next(
+        line for line in autoflat.show(step).splitlines() if line.startswith(f"# {param}: ")
+    )
+
+
+def _data(n=K):
+    kx, ky = jax.random.split(jax.random.key(0))
+    return jax.random.normal(kx, (n, 5, 3)), jax.random.normal(ky, (n, 5))
+
+
+def _jit_loop(fn, state, per_step, *extra, **kwargs):
+    """`fn` by `jax.jit`, one step a call: state given back, the other outputs stacked."""
+    jitted = jax.jit(fn)
+    outs = []
+    for i in range(jax.tree.leaves(per_step)[0].shape[0]):
+        step_in = jax.tree.map(lambda a, i=i: a[i], per_step)
+        state, out = jitted(state, *step_in, *extra, **kwargs)
+        outs.append(out)
+    return state, jnp.stack(outs)
+
+
+# --- `*batch`: the Flax-style `train_step(state, *batch)` ----------------------------------
+
+
+def regress(w, *batch, lr=0.1):
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - lr * g, loss
+
+
+@pytest.mark.parametrize("num_steps", [1, K])
+def test_star_args_per_step_equal_a_jit_loop(num_steps):
+    xs, ys = _data()
+    want = _jit_loop(regress, jnp.ones(3), (xs, ys))
+    step = autoflat.step(regress, num_steps=num_steps)
+    w, losses = jnp.ones(3), []
+    for i in range(0, K, num_steps):
+        x, y = (xs[i], ys[i]) if num_steps == 1 else (xs[i : i + K], ys[i : i + K])
+        w, loss = step(w, x, y)
+        losses.append(loss if num_steps > 1 else loss[None])
+    tree_allclose((w, jnp.concatenate(losses)), want)
+    role = "scanned (per-step" if num_steps > 1 else "scanned (per-step input)"
+    assert _role_line(step, "*batch").startswith(f"# *batch: {role}")
+
+
+def test_keyword_only_after_star_args():
+    xs, ys = _data()
+    want = _jit_loop(regress, jnp.ones(3), (xs, ys), lr=0.3)
+    w, losses = autoflat.step(regress, num_steps=K)(jnp.ones(3), xs, ys, lr=0.3)
+    tree_allclose((w, losses), want)
+
+
+def _scaled(w, *extra):
+    return w * 0.5 + sum(e.sum() for e in extra), jnp.float32(len(extra))
+
+
+def test_star_args_empty_then_per_step_is_refused_and_loses_nothing():
+    # No extras at the first call: `extra` is `()`, broadcast for want of evidence. Arrays
+    # with a leading axis of num_steps later are not read as broadcast.
+    step = autoflat.step(_scaled, num_steps=K)
+    w1, n1 = step(jnp.ones(3))
+    tree_allclose(n1, jnp.zeros(K))
+    assert _role_line(step, "*extra") == (
+        "# *extra: broadcast (no arrays at the first call) [rule: no-leading-axis]"
+    )
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w1, jnp.ones((K, 2)), jnp.ones((K, 3)))
+    message = str(info.value)
+    assert "`extra` held no arrays at the first call" in message
+    assert "float32[4, 2]" in message and 'per_step="extra"' in message
+    tree_allclose(w1, jnp.full(3, 0.5**K))  # the state is still there
+    # Arrays without that axis are broadcast, as the rule says.
+    w2, _ = step(w1, jnp.ones(2))
+    tree_allclose(w2, jnp.full(3, 0.5 ** (2 * K)) + 2 * (1 - 0.5**K) / (1 - 0.5) * 1.0, rtol=1e-4)
+
+
+def test_star_args_count_changes_retrace_as_under_jit():
+    step = autoflat.step(_scaled, num_steps=K, per_step="extra")
+    w = jnp.ones(3)
+    w1, n1 = step(w)
+    w2, n2 = step(w1, jnp.ones((K, 2)), jnp.ones((K, 3)))
+    tree_allclose(n1, jnp.zeros(K))
+    tree_allclose(n2, jnp.full(K, 2.0))
+    want = w
+    for _ in range(K):
+        want = want * 0.5
+    for _ in range(K):
+        want = want * 0.5 + 5.0
+    tree_allclose(w2, want)
+    assert step.stats.traces == 2
+
+
+def test_star_args_mixing_per_step_and_broadcast_asks_to_name_them():
+    def with_rate(w, *batch):
+        x, y, lr = batch
+        return w - lr * jnp.mean(x), jnp.mean(y)
+
+    xs, ys = _data()
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(with_rate, num_steps=K)(jnp.ones(3), xs, ys, jnp.float32(0.1))
+    message = str(info.value)
+    assert "`batch[2]` is float32[]" in message
+    assert "`batch` is `*batch`: its items take one role together" in message
+    assert "def step(model, x, y, lr)" in message
+    # One step a call, nothing to slice: as under jax.jit.
+    w, m = autoflat.step(with_rate)(jnp.ones(3), xs[0], ys[0], jnp.float32(0.1))
+    tree_allclose((w, m), jax.jit(with_rate)(jnp.ones(3), xs[0], ys[0], jnp.float32(0.1)))
+
+
+@pytest.mark.parametrize("option", ["per_step", "broadcast"])
+def test_options_name_star_args(option):
+    xs, ys = _data()
+    if option == "per_step":
+        args, want = (xs, ys), _jit_loop(regress, jnp.ones(3), (xs, ys))
+    else:
+        args = (xs[0], ys[0])  # one batch, every step
+        w, outs = jnp.ones(3), []
+        for _ in range(K):
+            w, loss = jax.jit(regress)(w, *args)
+            outs.append(loss)
+        want = (w, jnp.stack(outs))
+    step = autoflat.step(regress, num_steps=K, **{option: "batch"})
+    tree_allclose(step(jnp.ones(3), *args), want)
+    role = {"per_step": "scanned", "broadcast": "broadcast"}[option]
+    assert _role_line(step, "*batch").startswith(f"# *batch: {role}")
+
+
+def halved(w, *counts):
+    for _ in range(counts[0]):
+        w = w * 0.5
+    return w, w.sum()
+
+
+def test_static_star_args():
+    jitted = jax.jit(halved, static_argnums=(1,))
+    w, outs = jnp.ones(3), []
+    for _ in range(K):
+        w, out = jitted(w, 2)
+        outs.append(out)
+    step = autoflat.step(halved, num_steps=K, static_argnames="counts")
+    tree_allclose(step(jnp.ones(3), 2), (w, jnp.stack(outs)))
+    assert _role_line(step, "*counts").startswith("# *counts: static")
+
+
+# --- `**kwargs` ----------------------------------------------------------------------------
+
+
+def regress_kw(w, **batch):
+    x, y = batch["x"], batch["y"]
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss
+
+
+@pytest.mark.parametrize("num_steps", [1, K])
+def test_star_kwargs_per_step_equal_a_jit_loop(num_steps):
+    xs, ys = _data()
+    jitted = jax.jit(regress_kw)
+    w, outs = jnp.ones(3), []
+    for i in range(K):
+        w, loss = jitted(w, x=xs[i], y=ys[i])
+        outs.append(loss)
+    step = autoflat.step(regress_kw, num_steps=num_steps)
+    got, losses = jnp.ones(3), []
+    for i in range(0, K, num_steps):
+        x, y = (xs[i], ys[i]) if num_steps == 1 else (xs[i : i + K], ys[i : i + K])
+        got, loss = step(got, x=x, y=y)
+        losses.append(loss if num_steps > 1 else loss[None])
+    tree_allclose((got, jnp.concatenate(losses)), (w, jnp.stack(outs)))
+    assert _role_line(step, "**batch").startswith("# **batch: scanned")
+
+
+# --- state in a variadic parameter ---------------------------------------------------------
+
+
+def two_models(*models):
+    a, b = models
+    models = (a * 0.5, b + a.sum())
+    return models, a.sum()
+
+
+@pytest.mark.parametrize("num_steps", [1, K])
+def test_star_args_returned_by_name_is_state(num_steps):
+    a, b = jnp.ones(3), jnp.zeros(2)
+    want_a, want_b, outs = a, b, []
+    for _ in range(K):
+        (want_a, want_b), out = jax.jit(two_models)(want_a, want_b)
+        outs.append(out)
+    step = autoflat.step(two_models, num_steps=num_steps)
+    got, losses = (a, b), []
+    for _ in range(K // num_steps):
+        got, out = step(*got)
+        losses.append(out if num_steps > 1 else out[None])
+    tree_allclose((got, jnp.concatenate(losses)), ((want_a, want_b), jnp.stack(outs)))
+    assert _role_line(step, "*models").startswith("# *models: state (returned)")
+
+
+# --- a method, a jit wrapper, a partial, lazy=False, profile --------------------------------
+
+
+class Scaler:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @autoflat.step(num_steps=K)
+    def step(self, w, *batch):
+        x, y = batch
+        return w * self.scale - jnp.mean(x), jnp.mean(y)
+
+
+def test_method_with_star_args():
+    xs, ys = _data()
+    w, outs = jnp.ones(3), []
+    for i in range(K):
+        w, out = w * 0.9 - jnp.mean(xs[i]), jnp.mean(ys[i])
+        outs.append(out)
+    tree_allclose(Scaler(0.9).step(jnp.ones(3), xs, ys), (w, jnp.stack(outs)))
+
+
+def optimize(loss_fn, opt, opt_state, params, max_grad_norm, *args, **kwargs):
+    """The shape of a common RL-library helper: `jax.jit` with the loss, the optimizer and the
+    clipping norm static by position, the loss's inputs forwarded as `*args, **kwargs`."""
+    (loss, aux), grad = jax.value_and_grad(loss_fn, has_aux=True)(params, *args, **kwargs)
+    if max_grad_norm is not None:
+        grad = jax.tree.map(lambda g: jnp.clip(g, -max_grad_norm, max_grad_norm), grad)
+    update, opt_state = opt.update(grad, opt_state)
+    params = optax.apply_updates(params, update)
+    return opt_state, params, loss, aux
+
+
+def _critic_loss(params, x, y, *, weight):
+    err = x @ params["w"] + params["b"] - y
+    return weight * jnp.mean(err**2), jnp.abs(err).max()
+
+
+@pytest.mark.parametrize("num_steps", [1, K])
+def test_jit_wrapped_helper_with_star_args_and_kwargs(num_steps):
+    opt = optax.adam(1e-2)
+    params = {"w": jnp.ones(3), "b": jnp.zeros(())}
+    xs, ys = _data()
+    jitted = jax.jit(optimize, static_argnums=(0, 1, 4))
+    opt_state, p, want = opt.init(params), params, []
+    for i in range(K):
+        opt_state, p, loss, aux = jitted(
+            _critic_loss, opt, opt_state, p, 1.0, xs[i], ys[i], weight=2.0
+        )
+        want.append((loss, aux))
+    step = autoflat.step(jitted, num_steps=num_steps)
+    s, q, got = opt.init(params), params, []
+    for i in range(0, K, num_steps):
+        x, y = (xs[i], ys[i]) if num_steps == 1 else (xs[i : i + K], ys[i : i + K])
+        s, q, loss, aux = step(_critic_loss, opt, s, q, 1.0, x, y, weight=2.0)
+        got.append((loss, aux) if num_steps > 1 else (loss[None], aux[None]))
+    tree_allclose((s, q), (opt_state, p))
+    losses, auxes = (jnp.concatenate(g) for g in zip(*got, strict=True))
+    tree_allclose((losses, auxes), tuple(jnp.stack(w) for w in zip(*want, strict=True)))
+    assert _role_line(step, "*args").startswith("# *args: scanned")
+    if num_steps > 1:  # `{"weight": 2.0}`: no array, the same every step
+        assert _role_line(step, "**kwargs").startswith("# **kwargs: broadcast")
+
+
+def test_partial_binding_into_star_args_is_not_bound():
+    xs, ys = _data()
+    fn = functools.partial(regress, jnp.ones(3), xs[0])  # binds `w` and the first of `*batch`
+    step = autoflat.step(fn)
+    tree_allclose(step(ys[0]), jax.jit(fn)(ys[0]))
+    assert "bound by functools.partial" in _role_line(step, "w")
+    assert "bound" not in _role_line(step, "*batch")
+
+
+def test_star_args_with_lazy_false_and_filter_jit():
+    xs, ys = _data()
+    want = _jit_loop(regress, jnp.ones(3), (xs, ys))
+    tree_allclose(autoflat.step(regress, num_steps=K, lazy=False)(jnp.ones(3), xs, ys), want)
+    tree_allclose(autoflat.step(eqx.filter_jit(regress), num_steps=K)(jnp.ones(3), xs, ys), want)
+
+
+def test_profile_of_a_star_args_step_leaves_the_state():
+    xs, ys = _data()
+    step = autoflat.step(regress, num_steps=K)
+    w = jnp.ones(3)
+    report = autoflat.profile(step, w, xs, ys, calls=2)
+    assert report.num_steps == K
+    tree_allclose(w, jnp.ones(3))
+    tree_allclose(step(w, xs, ys), _jit_loop(regress, jnp.ones(3), (xs, ys)))
