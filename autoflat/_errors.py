@@ -118,6 +118,17 @@ jax.jit, every call would start again from the bound value). Pass `{param}` at t
 instead, and bind only what stays the same (a schedule, an optimizer, constants).
 """
 
+BOUND_VARIADIC = """\
+`autoflat.step(...)` for `{name}` ({where}): a functools.partial binds {what} into \
+`{star}{param}`, which takes one role for what the partial binds and what each call passes. \
+With num_steps > 1 that role could slice a bound value per step, where jax.jit of the partial \
+holds it the same on every call. Bind it to a named parameter before `{star}{param}`, or \
+give all of `{param}` its role:
+
+    @autoflat.step(..., broadcast="{param}")   # the same for every step
+    @autoflat.step(..., per_step="{param}")    # sliced along the first axis, bound values too
+"""
+
 BOUND_STATE = """\
 `autoflat.step(...)` for `{name}` ({where}): state= names `{param}`, which a functools.partial \
 binds: a bound value is the same on every call, so its new value could never reach a later \
@@ -258,11 +269,11 @@ position {pos} stacks them (as given)
     @autoflat.step(num_steps={num_steps}, state="{param}")      # the whole array every step
 """
 
-HELD_NO_ARRAYS_FIRST = """\
-Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` held no arrays at the first \
-call, so nothing said whether it is a per-step input, and it was taken as the same for every \
-step (broadcast). Now it holds {shape}, with a leading axis of {num_steps} = num_steps: read \
-as broadcast, every step would see the whole chunk. Say which it is:
+PER_STEP_AFTER_BROADCAST = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` was taken as the same for \
+every step (broadcast) by its shapes at the first call ({first}). Now it comes with another \
+structure, holding {shape}, with a leading axis of {num_steps} = num_steps: read as \
+broadcast, every step would see the whole chunk. Say which it is:
 
     @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
@@ -677,6 +688,17 @@ pytree, which would split the Variable into two copies that are updated apart.
 Shared Variables work between NNX objects that the step mutates and does not return (an
 optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
 `nnx.jit`: return neither object, or reach each Variable from one argument only.
+"""
+
+NNX_NESTED = """\
+`{param}` of `{name}` ({where}) holds a Flax NNX `{cls}` at `{path}`, inside another value \
+({role}, not state). autoflat writes what a step changes in place back into Flax NNX objects \
+passed as arguments of their own (as `nnx.jit` does); one inside a tuple, list or dict would \
+lose those changes. Pass it as a parameter of its own:
+
+    def train_step(model, optimizer, *batch): ...
+
+or return the value that holds it, so that it is state and comes back changed.
 """
 
 NNX_NOT_PYTREE = """\

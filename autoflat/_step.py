@@ -38,6 +38,7 @@ from ._errors import (
 )
 from ._handles.lazy import LazyHandle, Origin
 from ._handles.nnx import NnxState, take_graph_cache
+from ._roles.options import check_bound_variadic
 from ._roles.roles import Options
 from ._runtime.call import prepare
 from ._runtime.diagnostics import Diagnostics, Stats
@@ -125,6 +126,8 @@ class Step:
         )
         self.num_steps = num_steps
         _check_flags(analysis, donate=donate, lazy=lazy, unroll=unroll)
+        if num_steps > 1:
+            check_bound_variadic(analysis, options, _bound_into_variadic(self._bound, analysis))
         self.donate: bool | Literal["always"] = donate
         self.unroll = unroll
         self.lazy = lazy
@@ -321,6 +324,27 @@ def _bound_names(bound: Bound, params: tuple[str, ...], variadic: frozenset[str]
     Never `*args` or `**kwargs`, whose value the call may add to."""
     named = frozenset(params[: len(bound.args)]) | (frozenset(bound.keywords) & set(params))
     return named - variadic
+
+
+def _bound_into_variadic(bound: Bound, analysis: Any) -> dict[str, str]:
+    """Per variadic parameter that a step's `functools.partial`s bind into (`partial(f, a, b)`
+    of `def f(a, *args)`; a keyword no named parameter takes, with `**kwargs`), what they
+    bind there, in words."""
+    into: dict[str, str] = {}
+    positional = 0
+    for p in analysis.params:
+        if p.kind == "var_positional" and len(bound.args) > positional:
+            n = len(bound.args) - positional
+            into[p.name] = f"{n} positional argument{'s' if n > 1 else ''}"
+        elif p.kind == "var_keyword":
+            takes = ("positional_or_keyword", "keyword_only")
+            named = {q.name for q in analysis.params if q.kind in takes}
+            extra = sorted(set(bound.keywords) - named)
+            if extra:
+                into[p.name] = "the keyword " + ", ".join(f"`{k}`" for k in extra)
+        elif p.kind.startswith("positional"):
+            positional += 1
+    return into
 
 
 def _keyword_tail(bound: Bound, params: tuple[str, ...]) -> tuple[Any, ...] | None:

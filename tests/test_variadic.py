@@ -91,7 +91,10 @@ def test_star_args_empty_then_per_step_is_refused_and_loses_nothing():
     with pytest.raises(autoflat.ShapeError) as info:
         step(w1, jnp.ones((K, 2)), jnp.ones((K, 3)))
     message = str(info.value)
-    assert "`extra` held no arrays at the first call" in message
+    assert (
+        "`extra` was taken as the same for every step (broadcast) by its shapes at the first call (no arrays)"
+        in message
+    )
     assert "float32[4, 2]" in message and 'per_step="extra"' in message
     tree_allclose(w1, jnp.full(3, 0.5**K))  # the state is still there
     # Arrays without that axis are broadcast, as the rule says.
@@ -307,3 +310,115 @@ def test_profile_of_a_star_args_step_leaves_the_state():
     assert report.num_steps == K
     tree_allclose(w, jnp.ones(3))
     tree_allclose(step(w, xs, ys), _jit_loop(regress, jnp.ones(3), (xs, ys)))
+
+
+# --- what no role can take: refused, nothing lost -------------------------------------------
+
+
+def _lookup(*args):
+    table, i = args
+    return table[i] * 2.0
+
+
+def test_partial_binding_into_star_args_with_num_steps_needs_a_role():
+    table = jnp.arange(12.0).reshape(K, 3)  # four rows: sliced per step if read per-step
+    fn = functools.partial(_lookup, table)
+    with pytest.raises(autoflat.OptionError) as info:
+        autoflat.step(fn, num_steps=K)
+    message = str(info.value)
+    assert "binds 1 positional argument into `*args`" in message
+    assert 'broadcast="args"' in message
+    idx = jnp.array([0, 2, 1, 3])
+    want = jnp.stack([jax.jit(fn)(i) for i in idx])
+    # One step a call nothing is sliced: as jax.jit of the partial.
+    tree_allclose(jnp.stack([autoflat.step(fn)(i) for i in idx]), want)
+
+
+def _kw_lookup(i, **kw):
+    return kw["table"][i] * 2.0
+
+
+def test_partial_binding_into_star_kwargs_with_num_steps_needs_a_role():
+    fn = functools.partial(_kw_lookup, table=jnp.arange(12.0).reshape(K, 3))
+    with pytest.raises(autoflat.OptionError, match=r"binds the keyword `table` into `\*\*kw`"):
+        autoflat.step(fn, num_steps=K)
+    idx = jnp.array([0, 2, 1, 3])
+    step = autoflat.step(fn, num_steps=K, broadcast="kw")
+    tree_allclose(step(idx), jnp.stack([jax.jit(fn)(i) for i in idx]))
+
+
+def test_an_item_added_later_with_the_leading_axis_is_refused():
+    step = autoflat.step(_scaled, num_steps=K)
+    w, _ = step(jnp.ones(3), jnp.ones(6))  # `extra` is (b,): broadcast by its shape
+    assert _role_line(step, "*extra").startswith(
+        "# *extra: broadcast (no leading axis of num_steps=4 at the first call)"
+    )
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w, jnp.ones(6), jnp.ones((K, 3)))
+    message = str(info.value)
+    assert "by its shapes at the first call (no leading axis of num_steps=4)" in message
+    assert "float32[4, 3]" in message and 'per_step="extra"' in message
+    tree_allclose(w, jnp.full(3, 0.5**K) + 6.0 * (1 - 0.5**K) / 0.5)  # the state is intact
+
+
+def test_a_dict_gaining_a_per_step_key_is_refused():
+    def f(w, aux, x):
+        return w * 0.5 + sum(v.sum() for v in aux.values()) + x.sum(), w.sum()
+
+    step = autoflat.step(f, num_steps=K)
+    w, _ = step(jnp.ones(3), {"bias": jnp.ones(3)}, jnp.ones((K, 2)))
+    with pytest.raises(autoflat.ShapeError, match='per_step="aux"'):
+        step(w, {"bias": jnp.ones(3), "noise": jnp.ones((K, 2))}, jnp.ones((K, 2)))
+
+
+def _reduce(w, *batch):
+    xs, how = batch
+    return w + (jnp.sum(xs) if how == "sum" else jnp.mean(xs)), w.sum()
+
+
+def test_a_string_beside_per_step_arrays_is_mixed():
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_reduce, num_steps=K)(jnp.ones(3), jnp.ones((K, 2)), "sum")
+    assert "`batch[1]` is non-array str" in str(info.value)
+    # One step a call: `how` is a Python string, as `jax.jit` with it static would take it.
+    got = autoflat.step(_reduce)(jnp.ones(3), jnp.ones(2), "sum")
+    tree_allclose(got, jax.jit(_reduce, static_argnums=(2,))(jnp.ones(3), jnp.ones(2), "sum"))
+
+
+def test_flax_nnx_objects_inside_star_args_are_refused():
+    from flax import nnx
+
+    def step_objs(*objs):
+        model, optimizer, x, y = objs
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, g)
+        return loss
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    before = model.kernel[...]
+    with pytest.raises(autoflat.StateError) as info:
+        autoflat.step(step_objs)(model, optimizer, jnp.ones((5, 3)), jnp.zeros((5, 2)))
+    message = str(info.value)
+    assert "holds a Flax NNX `Linear` at `objs[0]`" in message
+    assert "def train_step(model, optimizer, *batch)" in message
+    tree_allclose(model.kernel[...], before)
+
+
+def _static_last(w, *args):
+    for _ in range(args[-1]):
+        w = w * 0.5
+    return w, w.sum()
+
+
+def _static_kw(w, **kw):
+    for _ in range(kw["n"]):
+        w = w * 0.5
+    return w, w.sum()
+
+
+def test_jit_static_arguments_without_a_parameter_name_are_refused():
+    with pytest.raises(autoflat.SourceError, match=r"static_argnums=\(-1,\) \(no parameter name\)"):
+        autoflat.step(jax.jit(_static_last, static_argnums=-1))
+    with pytest.raises(autoflat.SourceError, match=r"keys of `\*\*kwargs`: make each a keyword"):
+        autoflat.step(jax.jit(_static_kw, static_argnames="n"))

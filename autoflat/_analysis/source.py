@@ -137,13 +137,36 @@ def jit_static_names(fn: Any) -> frozenset[str]:
     return frozenset(names)
 
 
-def _positional_names(fn: Any) -> tuple[str, ...]:
+def _parameters(fn: Any) -> list[inspect.Parameter]:
     try:
-        parameters = inspect.signature(_innermost(fn)).parameters.values()
+        return list(inspect.signature(_innermost(fn)).parameters.values())
     except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
+        return []
+
+
+def _unnamed_static(fn: Any, info: Any) -> list[str]:
+    """A `jax.jit`'s static arguments that name no parameter, in words: a position past the
+    named ones, or a negative one with `*args` (it counts from the call's last argument); a
+    name that is a key of `**kwargs`."""
+    P = inspect.Parameter
+    parameters = _parameters(fn)
+    params = [p.name for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    first = -len(params)
+    found = []
+    if any(p.kind is P.VAR_POSITIONAL for p in parameters):
+        first = 0
+    nums = tuple(getattr(info, "static_argnums", ()) or ())
+    unnamed = tuple(i for i in nums if not first <= i < len(params))
+    if unnamed:
+        found.append(f"static_argnums={unnamed!r} (no parameter name)")
+    named = {p.name for p in parameters if p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)}
+    keys = tuple(n for n in getattr(info, "static_argnames", ()) or () if n not in named)
+    if keys and any(p.kind is P.VAR_KEYWORD for p in parameters):
+        found.append(
+            f"static_argnames={keys!r} (keys of `**kwargs`: make each a keyword-only "
+            "parameter, `def f(w, *, n, **kwargs)`)"
+        )
+    return found
 
 
 def _jit_options(fn: Any, kind: str = "") -> str:
@@ -166,12 +189,8 @@ def _jit_options(fn: Any, kind: str = "") -> str:
                 found.append(f"{name}={getattr(info, name)!r}")
     else:
         # Static arguments are taken over by name (`jit_static_names`), donation is autoflat's
-        # own; a static position without a name (`*args`) is not.
-        nums = tuple(getattr(info, "static_argnums", ()) or ())
-        params = _positional_names(fn)
-        unnamed = tuple(i for i in nums if not -len(params) <= i < len(params))
-        if unnamed:
-            found.append(f"static_argnums={unnamed!r} (no parameter name)")
+        # own; a static argument without a parameter's name (in `*args`, `**kwargs`) is not.
+        found += _unnamed_static(fn, info)
     if getattr(info, "user_specified_in_shardings", False):
         found.append("in_shardings")
     if any(

@@ -420,6 +420,18 @@ def opaque_module(value: Any) -> tuple[str, Any] | None:
     return None
 
 
+def nested_module(value: Any) -> tuple[str, Any] | None:
+    """(path, object) of a Flax NNX object inside `value`, a value that is none itself (a
+    tuple, list or dict of them: `(model, optimizer)`), or None."""
+    if not sys.modules.get("flax.nnx") or is_mutable_module(value) or type(value) is LazyHandle:
+        return None
+    stop = lambda x: type(x) is LazyHandle or is_mutable_module(x)  # noqa: E731
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value, is_leaf=stop)[0]:
+        if type(leaf) is not LazyHandle and is_mutable_module(leaf):
+            return jax.tree_util.keystr(path), leaf
+    return None
+
+
 def relink(link: Link, obj: Any, scope: dict[int, list[Any]]) -> Any:
     """Inside the trace: `obj` (just unflattened, with Variables of its own) holding, at each
     imported leaf, the Variable object that `scope` recorded for the exporting argument; an

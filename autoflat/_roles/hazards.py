@@ -260,8 +260,8 @@ def _short_first_chunk(
     if options.per_step or any(role == "scanned" for role in kinds.values()):
         return None
     for p, role in kinds.items():
-        if role != "broadcast":
-            continue
+        if role != "broadcast" or p in options.bound or p in options.broadcast:
+            continue  # (what a partial binds, or `broadcast=` names, is the same every step)
         arrays = [x for x in jax.tree_util.tree_leaves(values[p]) if is_array(x)]
         lengths = {np.shape(x)[0] if np.ndim(x) else -1 for x in arrays}
         if arrays and len(lengths) == 1:

@@ -50,6 +50,7 @@ import jax
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
+    NNX_NESTED,
     NNX_NOT_PYTREE,
     STATE_NOT_MATCHED,
     STATE_POSITION,
@@ -59,7 +60,7 @@ from .._errors import (
     StateError,
     error,
 )
-from .._handles.nnx import opaque_module
+from .._handles.nnx import nested_module, opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
 from .abstract import SCALARS, eval_one_step, positions_of, same_value
@@ -678,12 +679,31 @@ class _Inference:
             keys=self.keys,
         )
         roles = assign_roles(self.analysis, self.options, call)
+        if self.call.may_mutate:
+            self._refuse_nested_modules(roles)
         positions = {**self.given_back(), **self.returned_at}
         to_array = scalars_to_array(
             self.fn, roles, self.values, positions, self.for_eval, self.num_steps, self.out,
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
+
+    def _refuse_nested_modules(self, roles: Roles) -> None:
+        """A Flax NNX object inside an argument that is not state (`def step(*objs)` called
+        with `(model, optimizer, x, y)`): what the body changes in it in place would be lost,
+        where it is written back into one passed as an argument of its own."""
+        for p, role in zip(roles.params, roles.roles, strict=True):
+            found = None if role == "state" else nested_module(self.values[p])
+            if found is not None:
+                raise error(
+                    StateError,
+                    NNX_NESTED,
+                    self.analysis,
+                    param=p,
+                    path=f"{p}{found[0]}",
+                    cls=found[1].__class__.__qualname__,
+                    role={"scanned": "a per-step input", "broadcast": "broadcast"}.get(role, role),
+                )
 
 
 def _has_arrays(value: Any) -> bool:

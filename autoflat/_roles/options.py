@@ -16,6 +16,7 @@ from .._errors import (
     BAD_OPTION,
     BOUND_RETURNED,
     BOUND_STATE,
+    BOUND_VARIADIC,
     ROLE_CONFLICT,
     OptionError,
     SourceError,
@@ -76,6 +77,17 @@ def check_options(analysis: Analysis, options: Options) -> None:
                     OptionError, ROLE_CONFLICT, analysis, param=p, first=seen[p], second=label
                 )
             seen[p] = label
+
+
+def check_bound_variadic(analysis: Analysis, options: Options, into: dict[str, str]) -> None:
+    """With num_steps > 1, a `functools.partial` binding into `*args` or `**kwargs` (`into`:
+    per parameter, what it binds there) unless an option names the parameter: it takes one
+    role for the bound values and the call's, and a bound value is the same every call."""
+    for p, what in into.items():
+        if p not in options.explicit:
+            kind = next(q.kind for q in analysis.params if q.name == p)
+            star = "*" if kind == "var_positional" else "**"
+            raise error(OptionError, BOUND_VARIADIC, analysis, param=p, star=star, what=what)
 
 
 def _check_bound(analysis: Analysis, options: Options) -> None:

@@ -389,7 +389,9 @@ def python_scalar(ctx: Context, p: str) -> Evidence | None:
 
 def untraceable(ctx: Context, p: str) -> Evidence | None:
     """Holds values JAX cannot trace (an Equinox module's functions, an optax
-    `GradientTransformation`): broadcast."""
+    `GradientTransformation`): broadcast. Not a plain tuple, list or dict with num_steps > 1
+    where an item's arrays all have a leading axis of num_steps (`*batch` of `(xs, "sum")`):
+    mixed, refused (`hazards.leading_axis_error`)."""
     call = ctx.call
     if call is None:
         return None
@@ -397,6 +399,12 @@ def untraceable(ctx: Context, p: str) -> Evidence | None:
     leaves = jax.tree_util.tree_leaves(value)
     if all(is_array(x) or isinstance(x, SCALARS) for x in leaves):
         return None
+    if call.num_steps > 1 and type(value) in (tuple, list, dict):
+        items = value.values() if type(value) is dict else value
+        for item in items:
+            arrays = [x for x in jax.tree_util.tree_leaves(item) if is_array(x)]
+            if arrays and len(_with_axis(arrays, call.num_steps)) == len(arrays):
+                return None
     return taken_from(ctx, p, ("broadcast", f"{describe(value)}, holds values JAX cannot trace"))
 
 

@@ -29,9 +29,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._errors import BAD_CALL, HELD_NO_ARRAYS_FIRST, CallError, ShapeError, error
+from .._errors import BAD_CALL, CallError, error
 from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
 from .._handles.lazy import _UNBUILT, LazyHandle
@@ -136,8 +135,6 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     call.program = program
     structures, leaves, placements, layouts = _take_state(step, call, to_array, firsts)
     bcast_structures, call.bcast_leaves = _take_broadcast(step, program, args)
-    if program.arrayless_bcast:
-        _refuse_per_step_arrays(step, program, call.bcast_leaves)
     for k, i in program.written_back_idx:
         if type(args[i]) is not LazyHandle:
             _writeback.check_writable(
@@ -147,7 +144,14 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     if program.instance_attrs:
         static += instance_attributes(program, args)
     call.spec = step._specs.get(
-        program, structures, placements, layouts, call.links, bcast_structures, static
+        program,
+        structures,
+        placements,
+        layouts,
+        call.links,
+        bcast_structures,
+        static,
+        call.bcast_leaves,
     )
     if call.copies and (step.donate == "always" or not call.spec.keeps_inputs):
         # The caller's own arrays are never donated: a donating launch gets copies.
@@ -164,25 +168,6 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             lambda h: _tree_of(h) if type(h) is LazyHandle else h, call.xs, is_leaf=is_handle
         )
     return call
-
-
-def _refuse_per_step_arrays(step: Any, program: Program, leaves: tuple[list[Any], ...]) -> None:
-    """Raise a `ShapeError` where an argument broadcast for holding no array at the first call
-    (`()`, an empty `*args`) now holds one with a leading axis of num_steps: nothing said it
-    is the same for every step, and read so, each step would see the whole chunk."""
-    k = step.num_steps
-    for j in program.arrayless_bcast:
-        per_step = [a for a in leaves[j] if np.ndim(a) >= 1 and np.shape(a)[0] == k]
-        if per_step:
-            p = program.roles.of("broadcast")[j]
-            raise error(
-                ShapeError,
-                HELD_NO_ARRAYS_FIRST,
-                step._analysis,
-                param=p,
-                shape=f"{jnp.result_type(per_step[0])}{list(np.shape(per_step[0]))}",
-                num_steps=k,
-            )
 
 
 def _tree_of(h: LazyHandle) -> Any:

@@ -19,7 +19,6 @@ from .._handles.lazy import LazyHandle
 from .._roles.abstract import one_step_from
 from .._roles.infer import arg_kinds, infer
 from .._roles.roles import Options, Role, Roles, assign_roles
-from .._roles.rules import HELD_NO_ARRAYS
 from .tracing import HELPERS
 
 
@@ -41,7 +40,7 @@ class Program:
         "instance_attrs",
         "instance_pos",
         "static_names",
-        "arrayless_bcast",
+        "by_shape_bcast",
         "__weakref__",
     )
 
@@ -63,11 +62,11 @@ class Program:
         self.scanned_idx = tuple(idx[p] for p in roles.of("scanned"))
         self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
-        # Broadcast arguments that held no array at the first call (`rules.HELD_NO_ARRAYS`):
-        # positions among `bcast_idx`, checked on every call (`call._refuse_per_step_arrays`).
-        reasons = dict(zip(roles.params, roles.reasons, strict=True))
-        self.arrayless_bcast = tuple(
-            k for k, p in enumerate(roles.of("broadcast")) if reasons[p] == HELD_NO_ARRAYS
+        # Broadcast arguments read so by their shapes (rule `no-leading-axis`): positions among
+        # `bcast_idx`, checked when their structure changes (`specs.refuse_per_step_arrays`).
+        rules = dict(zip(roles.params, roles.rules, strict=True))
+        self.by_shape_bcast = tuple(
+            k for k, p in enumerate(roles.of("broadcast")) if rules[p] == "no-leading-axis"
         )
         # (state position, parameter index) of state written back into the caller's object.
         self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)

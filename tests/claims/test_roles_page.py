@@ -1225,7 +1225,7 @@ def _shifted(w, extra):
 
 @claim(
     PAGE,
-    "(or it holds no array at all: a later call where it holds arrays with that leading axis is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
+    "or it holds no array at all (a later call where it comes with another structure, one more item or key, holding arrays with that leading axis is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
 )
 @claim(PAGE, "`broadcast (no arrays at the first call)`")
 def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step_ones():
@@ -1237,7 +1237,10 @@ def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step
     with pytest.raises(autoflat.ShapeError) as info:
         step(w, (data(K, 2),))
     message = str(info.value)
-    assert "`extra` held no arrays at the first call" in message
+    assert (
+        "`extra` was taken as the same for every step (broadcast) by its shapes at the first call (no arrays)"
+        in message
+    )
     assert 'per_step="extra"' in message and 'broadcast="extra"' in message
     tree_allclose(w, jnp.full(3, 0.5**K))  # nothing consumed
     full = data(2, 3, seed=1)  # no leading axis of K: broadcast, as the rule says
@@ -3001,7 +3004,7 @@ def _with_rate(w, *batch):
 
 @claim(
     PAGE,
-    "Items that need different roles (a per-step batch beside a learning rate the same every step) are the mixed case above: the `autoflat.ShapeError` says to name them as parameters of their own.",
+    "Items that need different roles (a per-step batch beside a learning rate the same every step, or beside a string or an optimizer) are the mixed case above: the `autoflat.ShapeError` says to name them as parameters of their own.",
 )
 def test_variadic_items_of_different_roles_ask_to_name_them():
     w = jnp.ones(3)
@@ -3010,6 +3013,8 @@ def test_variadic_items_of_different_roles_ask_to_name_them():
     assert "its items take one role together" in str(info.value)
     assert "name them as parameters" in str(info.value)
     tree_allclose(w, jnp.ones(3))
+    with pytest.raises(autoflat.ShapeError, match="`batch\\[2\\]` is non-array str"):
+        autoflat.step(_with_rate, num_steps=K)(w, data(K, 5), data(K, 5), "sgd")
 
 
 def _extras(w, *extra):
@@ -3018,7 +3023,7 @@ def _extras(w, *extra):
 
 @claim(
     PAGE,
-    "A variadic parameter with no arrays at the first call (no extras passed) is broadcast for want of evidence, and a later call that passes arrays with a leading axis of `num_steps` there is an `autoflat.ShapeError` naming `per_step=` and `broadcast=`, as for any argument that held no arrays. A different number of extras compiles again, as under `jax.jit`.",
+    "A variadic parameter with no arrays at the first call (no extras passed) is broadcast for want of evidence, and a later call that passes arrays with a leading axis of `num_steps` there is an `autoflat.ShapeError` naming `per_step=` and `broadcast=`, as for any argument read as broadcast by its shapes that comes with another structure. A different number of extras compiles again, as under `jax.jit`.",
 )
 def test_variadic_with_no_extras_then_extras():
     step = autoflat.step(_extras, num_steps=K)
@@ -3037,7 +3042,7 @@ def test_variadic_with_no_extras_then_extras():
 
 @claim(
     PAGE,
-    "A `functools.partial` that binds some of `*args` binds the parameters before it (rule 10); the variadic one is the call's.",
+    "A `functools.partial` that binds some of `*args` binds the parameters before it (rule 10); the variadic one is the call's, and with `num_steps > 1` a partial that binds into it is an `autoflat.OptionError` unless `broadcast=` or `per_step=` names it.",
 )
 def test_partial_into_variadic_binds_the_named_ones():
     x, y = data(1, 5, 3)[0], data(1, 5, seed=1)[0]
@@ -3046,6 +3051,30 @@ def test_partial_into_variadic_binds_the_named_ones():
     tree_allclose(step(y), jax.jit(fn)(y), rtol=1e-6)
     assert role_line(step, "w").startswith("broadcast (bound by functools.partial")
     assert "bound" not in role_line(step, "*batch")
+    with pytest.raises(autoflat.OptionError, match="binds 1 positional argument into `\\*batch`"):
+        autoflat.step(fn, num_steps=K)
+    bc = autoflat.step(fn, num_steps=K, broadcast="batch")  # x and y, every step
+    want = jax.jit(fn)(y)
+    tree_allclose(bc(y), jax.tree.map(lambda a: jnp.stack([a] * K), want), rtol=1e-6)
+
+
+@claim(
+    PAGE,
+    "Flax NNX objects inside it (`step(model, optimizer, x, y)` for `def step(*objs)`) are an `autoflat.StateError`: what the step changes in them is written back only into objects passed as parameters of their own.",
+)
+def test_flax_nnx_objects_inside_a_variadic_parameter_are_refused():
+    from flax import nnx
+
+    def step(*objs):
+        model, optimizer, x, y = objs
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, g)
+        return loss
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(autoflat.StateError, match="parameter of its own"):
+        autoflat.step(step)(model, optimizer, jnp.ones((5, 3)), jnp.zeros((5, 2)))
 
 
 # === Python numbers with num_steps=1 ========================================================
