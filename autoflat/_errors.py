@@ -299,7 +299,7 @@ them as parameters (`def step(model, x, y, lr)`, not `def step(model, *batch)`).
 )
 
 RAW_KEY_OR_PER_STEP = """\
-Calling `{name}` ({where}) with num_steps=2: `{param}` is uint32[2], which is a raw PRNG key \
+Calling `{name}` ({where}) with num_steps=2: `{path}` is uint32[2], which is a raw PRNG key \
 (`jax.random.PRNGKey(0)`, the same for every step) or two steps' uint32 values (one per \
 step): autoflat cannot tell which. Say which it is:
 
@@ -424,6 +424,18 @@ num_steps={num_steps}, `{param}` would be taken as a broadcast input, every step
 again from the value you passed in, and those items stacked as outputs. If they are \
 `{param}`'s new value, write them as a tuple of their own where they are in the `return`, \
 `({items})`, as `{param}` came in; if `{param}` is the same every step:
+
+    @autoflat.step(..., broadcast="{param}")
+"""
+
+STATE_SPREAD_FLAT = """\
+`{name}` ({where}): the items of `{param}` come back one by one at return positions {at}, \
+each computed from `{param}`, but no position gives `{param}` back whole. With \
+num_steps={num_steps}, `{param}` would be taken as a broadcast input, every step starting \
+again from the value you passed in, and those items stacked as outputs. If they are \
+`{param}`'s new value, give it back as one value, a tuple written at one position of the \
+`return` (`return ({items}), ...`), or make its items parameters of their own; if `{param}` \
+is the same every step:
 
     @autoflat.step(..., broadcast="{param}")
 """

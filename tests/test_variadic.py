@@ -422,3 +422,54 @@ def test_jit_static_arguments_without_a_parameter_name_are_refused():
         autoflat.step(jax.jit(_static_last, static_argnums=-1))
     with pytest.raises(autoflat.SourceError, match=r"keys of `\*\*kwargs`: make each a keyword"):
         autoflat.step(jax.jit(_static_kw, static_argnames="n"))
+
+
+def _noisy(w, *keys):
+    (key,) = keys
+    return w * 0.5 + jax.random.normal(key, w.shape), w.sum()
+
+
+def test_a_raw_key_inside_star_args_at_two_steps_asks():
+    # uint32[2]: one raw key, or two steps' values? As for a raw key passed by itself.
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_noisy, num_steps=2)(jnp.ones(3), jax.random.PRNGKey(3))
+    message = str(info.value)
+    assert "`keys[0]` is uint32[2], which is a raw PRNG key" in message
+    assert 'broadcast="keys"' in message
+    w, outs, key = jnp.ones(3), [], jax.random.PRNGKey(3)
+    for _ in range(2):
+        w, out = jax.jit(_noisy)(w, key)
+        outs.append(out)
+    step = autoflat.step(_noisy, num_steps=2, broadcast="keys")
+    tree_allclose(step(jnp.ones(3), key), (w, jnp.stack(outs)))
+
+
+def _spread(*models):
+    a, b = models
+    return a * 0.5, b + a.sum(), a.sum()
+
+
+def _spread_as_one(*models):
+    a, b = models
+    return (a * 0.5, b + a.sum()), a.sum()
+
+
+def test_star_args_state_spread_over_return_positions_asks():
+    with pytest.raises(autoflat.OptionError) as info:
+        autoflat.step(_spread, num_steps=K)(jnp.ones(3), jnp.zeros(2))
+    message = str(info.value)
+    assert "the items of `models` come back one by one at return positions 0, 1" in message
+    assert "a tuple written at one position of the `return`" in message
+    # The fix it names: one tuple, state matched by value, equal to the jax.jit loop.
+    a, b, outs = jnp.ones(3), jnp.zeros(2), []
+    for _ in range(K):
+        (a, b), out = jax.jit(_spread_as_one)(a, b)
+        outs.append(out)
+    step = autoflat.step(_spread_as_one, num_steps=K)
+    tree_allclose(step(jnp.ones(3), jnp.zeros(2)), ((a, b), jnp.stack(outs)))
+    assert _role_line(step, "*models").startswith("# *models: state (matched by value")
+    # One step a call: as jax.jit, nothing is carried.
+    tree_allclose(
+        autoflat.step(_spread)(jnp.ones(3), jnp.zeros(2)),
+        jax.jit(_spread)(jnp.ones(3), jnp.zeros(2)),
+    )

@@ -188,22 +188,29 @@ def _all_leading(value: Any, num_steps: int) -> bool:
 
 
 def raw_key_at_two(value: Any, num_steps: int) -> bool:
-    """A raw `jax.random.PRNGKey` (uint32[2]) at num_steps=2: its leading axis of 2 may be
-    two steps' counts or one key, which sliced per step would give each step one uint32
-    (and JAX's key check would fail)."""
-    return (
-        num_steps == 2
-        and is_key(value)
-        and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
-    )
+    """A raw `jax.random.PRNGKey` (uint32[2]) at num_steps=2, or a value holding one (a
+    tuple, `*args`): its leading axis of 2 may be two steps' counts or one key, which sliced
+    per step would give each step one uint32 (and JAX's key check would fail)."""
+    return _raw_key_path(value, num_steps) is not None
+
+
+def _raw_key_path(value: Any, num_steps: int) -> str | None:
+    """Where `value` holds a raw PRNG key at num_steps=2 (`""`: it is one), or None."""
+    if num_steps != 2:
+        return None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if is_key(leaf) and not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return jax.tree_util.keystr(path)
+    return None
 
 
 def leading_axis_error(analysis: Analysis, p: str, value: Any, num_steps: int) -> Exception:
     """The error for an argument whose leading axes no rule settles (raised unless it is
     matched as state): a raw PRNG key at num_steps=2 (`raw_key_at_two`), or array leaves
     with and without a leading axis of num_steps (mixed)."""
-    if raw_key_at_two(value, num_steps):
-        return error(ShapeError, RAW_KEY_OR_PER_STEP, analysis, param=p)
+    key_at = _raw_key_path(value, num_steps)
+    if key_at is not None:
+        return error(ShapeError, RAW_KEY_OR_PER_STEP, analysis, param=p, path=p + key_at)
     paths = jax.tree_util.tree_flatten_with_path(value)[0]
     bad = next(
         (path, leaf)

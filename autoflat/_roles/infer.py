@@ -73,7 +73,7 @@ from .hazards import (
     leading_axis_error,
     raise_leading_axis_errors,
 )
-from .nesting import looked_into, refuse_spread_state
+from .nesting import looked_into, refuse_spread_flat, refuse_spread_state
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -514,6 +514,10 @@ class _Inference:
             refuse_spread_state(
                 analysis, values, self.pending, {**self.returned_at, **self.given_back()},
                 self.outputs, num_steps,
+            )  # fmt: skip
+            refuse_spread_flat(
+                analysis, values, self.pending, {**self.returned_at, **self.given_back()},
+                self.outputs, num_steps, self._flow_of(first),
             )  # fmt: skip
             per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_changed_type(

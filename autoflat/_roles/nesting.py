@@ -15,6 +15,7 @@ values.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,9 +23,10 @@ import numpy as np
 
 from .._analysis.analysis import Analysis
 from .._analysis.returns import renested
-from .._errors import STATE_SPREAD, OptionError, error
+from .._errors import STATE_SPREAD, STATE_SPREAD_FLAT, OptionError, error
 from .._handles.lazy import LazyHandle
 from .abstract import same_value
+from .flow import Flow
 
 _ANY = object()  # an item written as an expression: any value fits it
 
@@ -169,6 +171,55 @@ def refuse_spread_state(
                     at=", ".join(f"`{paths[q]}`" for q in taken), num_steps=num_steps,
                     items=", ".join(first.names[q] or "..." for q in taken),
                 )  # fmt: skip
+
+
+def refuse_spread_flat(
+    analysis: Analysis,
+    values: dict[str, Any],
+    pending: list[str],
+    given_back: dict[str, int],
+    outputs: list[Any],
+    num_steps: int,
+    flow: Callable[[], list[Flow]],
+) -> None:
+    """A tuple argument no position gives back whose items come back one by one at return
+    positions of their own, each computed from it (`def f(*models): a, b = models; return
+    a * 0.5, b + a.sum(), loss`): at num_steps > 1 it would be broadcast and every step would
+    restart from it, its new items stacked as outputs. Refused, with the fixes."""
+    first = analysis.returns[0] if analysis.returns else None
+    if first is None or first.kind != "tuple" or first.nest is not None:
+        return
+    taken_back = set(given_back.values())
+    flows: list[Flow] | None = None
+    for p in pending:
+        value = _object(values[p])
+        if p in given_back or not isinstance(value, (tuple, list)) or len(value) < 2:
+            continue
+        flows = flow() if flows is None else flows
+        taken: list[int] = []
+        for item in value:
+            pos = next(
+                (
+                    q
+                    for q in range(len(outputs))
+                    if q not in taken_back
+                    and q not in taken
+                    and same_value(item, outputs[q])
+                    and flows[q].leaves
+                    and all(p in sources for sources in flows[q].leaves)
+                ),
+                None,
+            )
+            if pos is None:
+                break
+            taken.append(pos)
+        else:
+            raise error(
+                OptionError, STATE_SPREAD_FLAT, analysis, param=p, num_steps=num_steps,
+                at=", ".join(map(str, taken)),
+                items=", ".join(first.names[q] or "..." for q in taken),
+                star="*" if p in analysis.variadic else "",
+            )  # fmt: skip
 
 
 def _paths(nest: tuple[Any, ...]) -> list[str]:

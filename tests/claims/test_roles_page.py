@@ -3077,6 +3077,35 @@ def test_flax_nnx_objects_inside_a_variadic_parameter_are_refused():
         autoflat.step(step)(model, optimizer, jnp.ones((5, 3)), jnp.zeros((5, 2)))
 
 
+def _models_spread(*models):
+    a, b = models
+    return a * 0.5, b + a.sum(), a.sum()
+
+
+def _models_as_one(*models):
+    a, b = models
+    return (a * 0.5, b + a.sum()), a.sum()
+
+
+@claim(
+    PAGE,
+    "so is one whose items come back one by one at positions of the returned tuple itself, each computed from it (`return a * 0.5, b + a.sum(), loss` for `a, b = models`), which asks for them as one tuple, `return (a * 0.5, b + a.sum()), loss`, or parameters of their own.",
+)
+def test_tuple_state_spread_over_flat_positions_asks():
+    with pytest.raises(autoflat.OptionError, match="come back one by one at return positions 0, 1"):
+        autoflat.step(_models_spread, num_steps=K)(jnp.ones(3), jnp.zeros(2))
+    (ra, rb), (rl,) = jit_loop(
+        lambda a, b: (*_models_as_one(a, b)[0], _models_as_one(a, b)[1]),
+        (jnp.ones(3), jnp.zeros(2)),
+        (),
+        8,
+    )
+    step = autoflat.step(_models_as_one, num_steps=K)
+    got, losses = step(jnp.ones(3), jnp.zeros(2))
+    got, more = step(*got)
+    tree_allclose((got, jnp.concatenate([losses, more])), ((ra, rb), rl), rtol=1e-5)
+
+
 # === Python numbers with num_steps=1 ========================================================
 
 
