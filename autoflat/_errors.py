@@ -704,7 +704,7 @@ optimizer holding the model's Variables, a submodule stored twice, tied weights)
 
 NNX_NESTED = """\
 `{param}` of `{name}` ({where}) holds a Flax NNX `{cls}` at `{path}`, inside another value \
-({role}, not state). autoflat writes what a step changes in place back into Flax NNX objects \
+({role}). autoflat writes what a step changes in place back into Flax NNX objects \
 passed as arguments of their own (as `nnx.jit` does); one inside a tuple, list or dict would \
 lose those changes. Pass it as a parameter of its own:
 

@@ -473,3 +473,77 @@ def test_star_args_state_spread_over_return_positions_asks():
         autoflat.step(_spread)(jnp.ones(3), jnp.zeros(2)),
         jax.jit(_spread)(jnp.ones(3), jnp.zeros(2)),
     )
+
+
+# --- what those refusals leave alone ---------------------------------------------------------
+
+
+def test_flax_nnx_objects_only_read_inside_a_container_run():
+    from flax import nnx
+
+    def ensemble(members, x):
+        return jnp.mean(jnp.stack([m(x) for m in members]), axis=0).sum()
+
+    members = [nnx.Linear(3, 2, rngs=nnx.Rngs(i)) for i in range(3)]
+    xs = jnp.ones((K, 5, 3))
+    want = jnp.stack([nnx.jit(ensemble)(members, x) for x in xs])
+    tree_allclose(autoflat.step(ensemble, num_steps=K)(members, xs), want, rtol=1e-5)
+    tree_allclose(autoflat.step(ensemble)(members, xs[0]), want[0], rtol=1e-5)
+
+
+def test_flax_nnx_objects_changed_inside_a_written_back_dict_are_refused():
+    from flax import nnx
+
+    def train(model, optimizer, x, y, extras):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, g)
+        extras["metrics"].update(loss=loss)
+        return loss
+
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    extras = {"metrics": nnx.MultiMetric(loss=nnx.metrics.Average("loss"))}
+    with pytest.raises(autoflat.StateError, match=r"`MultiMetric` at `extras\['metrics'\]`"):
+        autoflat.step(train)(model, optimizer, jnp.ones((5, 3)), jnp.zeros((5, 2)), extras)
+
+
+def test_hyperparameters_and_gradients_are_not_taken_for_spread_state():
+    def with_hp(w, x, hp):  # a loss and a metric computed with (lr, wd)
+        lr, wd = hp
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2) + wd * jnp.sum(w**2))(w)
+        return w - lr * g, loss, jnp.linalg.norm(g) * lr
+
+    def grads_of(params, x):  # gradients at fixed params, returned unpacked
+        loss, (gw, gb) = jax.value_and_grad(lambda p: jnp.mean((x @ p[0] + p[1]) ** 2))(params)
+        return gw, gb, loss
+
+    xs = jnp.ones((K, 5, 3))
+    hp = (jnp.float32(0.1), jnp.float32(1e-3))
+    w, outs = jnp.ones(3), []
+    for x in xs:
+        w, loss, norm = jax.jit(with_hp)(w, x, hp)
+        outs.append((loss, norm))
+    got = autoflat.step(with_hp, num_steps=K)(jnp.ones(3), xs, hp)
+    tree_allclose(got, (w, *(jnp.stack(o) for o in zip(*outs, strict=True))), rtol=1e-5)
+    params = (jnp.ones(3), jnp.float32(0.5))
+    want = [jax.jit(grads_of)(params, x) for x in xs]
+    got = autoflat.step(grads_of, num_steps=K)(params, xs)
+    tree_allclose(got, tuple(jnp.stack(o) for o in zip(*want, strict=True)), rtol=1e-5)
+
+
+def test_a_frozen_module_with_a_layer_the_size_of_num_steps_is_broadcast():
+    def distill(w, frozen, x):
+        enc, head = frozen
+        return w + head(enc(x)).sum(), w.sum()
+
+    frozen = (
+        eqx.nn.MLP(3, 6, 8, 1, key=jax.random.key(0)),
+        eqx.nn.Linear(6, K, key=jax.random.key(1)),
+    )
+    xs = jnp.ones((K, 3))
+    w, outs = jnp.zeros(()), []
+    for x in xs:
+        w, out = eqx.filter_jit(distill)(w, frozen, x)
+        outs.append(out)
+    got = autoflat.step(distill, num_steps=K)(jnp.zeros(()), frozen, xs)
+    tree_allclose(got, (w, jnp.stack(outs)), rtol=1e-5)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -155,6 +156,34 @@ def arguments(parts: list[Any], arrays: list[list[Any]]) -> list[Any]:
         value if rebuild is None else rebuild(a)
         for (rebuild, value), a in zip(parts, arrays, strict=True)
     ]
+
+
+def changes_inside(
+    fn: Callable[..., Any],
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    roles: dict[str, Role],
+    num_steps: int,
+    p: str,
+) -> bool:
+    """Whether one step of `fn` changes a leaf of argument `p` in place (a Flax NNX object
+    inside it whose Variables it sets: `optimizer.update(...)`), by an abstract evaluation:
+    after the body, `p`'s value as the body holds it has another leaf than it was built
+    from."""
+    parts, call = one_step_call(fn, params, values, roles, num_steps)
+    i = params.index(p)
+    changed: list[bool] = []
+
+    def one_step(arrays: list[list[Any]]) -> int:
+        args = arguments(parts, arrays)
+        before = jax.tree_util.tree_leaves(args[i])
+        call(args)
+        after = jax.tree_util.tree_leaves(args[i])
+        changed.append(len(before) != len(after) or any(map(operator.is_not, before, after)))
+        return 0
+
+    jax.eval_shape(one_step, [[] if r is None else a for r, a in parts])
+    return changed[0]
 
 
 def traced_on_failure(

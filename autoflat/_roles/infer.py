@@ -63,7 +63,7 @@ from .._errors import (
 from .._handles.nnx import nested_module, opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import SCALARS, eval_one_step, positions_of, same_value
+from .abstract import SCALARS, changes_inside, eval_one_step, positions_of, same_value
 from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_array_per_step_returned,
@@ -694,11 +694,16 @@ class _Inference:
 
     def _refuse_nested_modules(self, roles: Roles) -> None:
         """A Flax NNX object inside an argument that is not state (`def step(*objs)` called
-        with `(model, optimizer, x, y)`): what the body changes in it in place would be lost,
-        where it is written back into one passed as an argument of its own."""
-        for p, role in zip(roles.params, roles.roles, strict=True):
-            found = None if role == "state" else nested_module(self.values[p])
-            if found is not None:
+        with `(model, optimizer, x, y)`) that the body changes in place: the change would be
+        lost, where it is written back into one passed as an argument of its own. (One the
+        body only reads, an ensemble or a teacher, is fine.)"""
+        kinds = dict(zip(roles.params, roles.roles, strict=True))
+        for p, role in kinds.items():
+            given_back = role == "state" and p not in roles.written_back
+            found = None if given_back else nested_module(self.values[p])
+            if found is not None and changes_inside(
+                self.fn, self.params, self.values, kinds, self.num_steps, p
+            ):
                 raise error(
                     StateError,
                     NNX_NESTED,
@@ -706,8 +711,16 @@ class _Inference:
                     param=p,
                     path=f"{p}{found[0]}",
                     cls=found[1].__class__.__qualname__,
-                    role={"scanned": "a per-step input", "broadcast": "broadcast"}.get(role, role),
+                    role=_ROLE_WORDS.get(role, role),
                 )
+
+
+_ROLE_WORDS = {
+    "scanned": "a per-step input, not state",
+    "broadcast": "broadcast, not state",
+    "static": "static, not state",
+    "state": "state written back into your object",
+}
 
 
 def _has_arrays(value: Any) -> bool:

@@ -26,7 +26,7 @@ from .._analysis.returns import renested
 from .._errors import STATE_SPREAD, STATE_SPREAD_FLAT, OptionError, error
 from .._handles.lazy import LazyHandle
 from .abstract import same_value
-from .flow import Flow
+from .flow import Flow, scalar_container
 
 _ANY = object()  # an item written as an expression: any value fits it
 
@@ -183,9 +183,12 @@ def refuse_spread_flat(
     flow: Callable[[], list[Flow]],
 ) -> None:
     """A tuple argument no position gives back whose items come back one by one at return
-    positions of their own, each computed from it (`def f(*models): a, b = models; return
-    a * 0.5, b + a.sum(), loss`): at num_steps > 1 it would be broadcast and every step would
-    restart from it, its new items stacked as outputs. Refused, with the fixes."""
+    positions of their own, each computed from it other than through reductions alone
+    (`def f(*models): a, b = models; return a * 0.5, b + a.sum(), loss`; not a loss and a
+    metric computed with hyperparameters `(lr, wd)`, nor gradients with respect to it; not a
+    container of scalar arrays, whose items as a loss and a metric look alike): at
+    num_steps > 1 it would be broadcast and every step would restart from it, its new items
+    stacked as outputs. Refused, with the fixes."""
     first = analysis.returns[0] if analysis.returns else None
     if first is None or first.kind != "tuple" or first.nest is not None:
         return
@@ -195,6 +198,8 @@ def refuse_spread_flat(
         value = _object(values[p])
         if p in given_back or not isinstance(value, (tuple, list)) or len(value) < 2:
             continue
+        if scalar_container(value):
+            continue  # (hyperparameters `(lr, wd)`, each in a metric beside the update)
         flows = flow() if flows is None else flows
         taken: list[int] = []
         for item in value:
@@ -205,8 +210,8 @@ def refuse_spread_flat(
                     if q not in taken_back
                     and q not in taken
                     and same_value(item, outputs[q])
-                    and flows[q].leaves
-                    and all(p in sources for sources in flows[q].leaves)
+                    and flows[q].smooth
+                    and all(p in sources for sources in flows[q].smooth)
                 ),
                 None,
             )

@@ -390,8 +390,9 @@ def python_scalar(ctx: Context, p: str) -> Evidence | None:
 def untraceable(ctx: Context, p: str) -> Evidence | None:
     """Holds values JAX cannot trace (an Equinox module's functions, an optax
     `GradientTransformation`): broadcast. Not a plain tuple, list or dict with num_steps > 1
-    where an item's arrays all have a leading axis of num_steps (`*batch` of `(xs, "sum")`):
-    mixed, refused (`hazards.leading_axis_error`)."""
+    where an item, an array or a plain container of them, has a leading axis of num_steps
+    on all its arrays (`*batch` of `(xs, "sum")`): mixed, refused
+    (`hazards.leading_axis_error`)."""
     call = ctx.call
     if call is None:
         return None
@@ -402,6 +403,8 @@ def untraceable(ctx: Context, p: str) -> Evidence | None:
     if call.num_steps > 1 and type(value) in (tuple, list, dict):
         items = value.values() if type(value) is dict else value
         for item in items:
+            if not (is_array(item) or type(item) in (tuple, list, dict)):
+                continue  # (a module's arrays: a layer of 4 units beside its functions)
             arrays = [x for x in jax.tree_util.tree_leaves(item) if is_array(x)]
             if arrays and len(_with_axis(arrays, call.num_steps)) == len(arrays):
                 return None

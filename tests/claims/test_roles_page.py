@@ -2379,7 +2379,7 @@ def test_a_tuple_written_with_parameters_names_is_looked_into():
 )
 @claim(
     PAGE,
-    "With `num_steps > 1`, a tuple argument no position gives back whose items come back among a looked-into tuple's items (`return (params, mom, key), loss` beside `train_state = (params, mom)`) is an `autoflat.OptionError` that asks for them written as a tuple of their own, `((params, mom), key)`, or `broadcast=`.",
+    "With `num_steps > 1`, a tuple argument no position gives back whose items come back among a looked-into tuple's items (`return (params, mom, key), loss` beside `train_state = (params, mom)`) is an `autoflat.OptionError` that asks for them written as a tuple of their own, `((params, mom), key)`, or `broadcast=`",
 )
 def test_a_written_tuple_an_argument_could_be_stays_one_position():
     def rnn(w, carry, x):
@@ -3060,7 +3060,7 @@ def test_partial_into_variadic_binds_the_named_ones():
 
 @claim(
     PAGE,
-    "Flax NNX objects inside it (`step(model, optimizer, x, y)` for `def step(*objs)`) are an `autoflat.StateError`: what the step changes in them is written back only into objects passed as parameters of their own.",
+    "Flax NNX objects inside it, or inside any tuple, list or dict, that the step changes in place (`step(model, optimizer, x, y)` for `def step(*objs)`) are an `autoflat.StateError`: what the step changes in them is written back only into objects passed as parameters of their own. Ones the step only reads (an ensemble, a teacher) are fine.",
 )
 def test_flax_nnx_objects_inside_a_variadic_parameter_are_refused():
     from flax import nnx
@@ -3089,7 +3089,7 @@ def _models_as_one(*models):
 
 @claim(
     PAGE,
-    "so is one whose items come back one by one at positions of the returned tuple itself, each computed from it (`return a * 0.5, b + a.sum(), loss` for `a, b = models`), which asks for them as one tuple, `return (a * 0.5, b + a.sum()), loss`, or parameters of their own.",
+    "so is one whose items come back one by one at positions of the returned tuple itself, each computed from it other than through reductions alone (`return a * 0.5, b + a.sum(), loss` for `a, b = models`; not a loss and a metric computed with it, and not a tuple of scalars), which asks for them as one tuple, `return (a * 0.5, b + a.sum()), loss`, or parameters of their own.",
 )
 def test_tuple_state_spread_over_flat_positions_asks():
     with pytest.raises(autoflat.OptionError, match="come back one by one at return positions 0, 1"):
