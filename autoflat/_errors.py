@@ -271,9 +271,9 @@ position {pos} stacks them (as given)
 
 PER_STEP_AFTER_BROADCAST = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` was taken as the same for \
-every step (broadcast) by its shapes at the first call ({first}). Now it comes with another \
-structure, holding {shape}, with a leading axis of {num_steps} = num_steps: read as \
-broadcast, every step would see the whole chunk. Say which it is:
+every step (broadcast) by its shapes at the first call ({first}). Now it holds {shape}, with \
+a leading axis of {num_steps} = num_steps: read as broadcast, every step would see the whole \
+chunk. Say which it is:
 
     @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step

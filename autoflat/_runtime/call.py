@@ -144,14 +144,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     if program.instance_attrs:
         static += instance_attributes(program, args)
     call.spec = step._specs.get(
-        program,
-        structures,
-        placements,
-        layouts,
-        call.links,
-        bcast_structures,
-        static,
-        call.bcast_leaves,
+        program, structures, placements, layouts, call.links, bcast_structures, static
     )
     if call.copies and (step.donate == "always" or not call.spec.keeps_inputs):
         # The caller's own arrays are never donated: a donating launch gets copies.

@@ -32,7 +32,7 @@ from .._transport import wholes as _wholes
 from .._transport.structure import FlatState, pinned, strongly_typed
 from .diagnostics import Stats
 from .specs import CallSpec
-from .tracing import captured, linking
+from .tracing import captured, linking, refuse_per_step_arrays
 
 
 def entry(
@@ -51,6 +51,8 @@ def entry(
     `jax.jit` takes it as `functools.partial(entry, note_trace)` with `spec` static;
     `note_trace` is told of each trace and gives the counters it adds to."""
     stats = None if note_trace is None else note_trace(spec, (state_leaves, xs, bcast_leaves))
+    if spec.program.by_shape_bcast:
+        refuse_per_step_arrays(spec, bcast_leaves)
     if repack and _segmented(spec):
         leaving, outputs, leaf_by_leaf = _segments_entry(spec, state_leaves, xs, bcast_leaves)
         if stats is not None:

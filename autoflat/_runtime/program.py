@@ -63,7 +63,7 @@ class Program:
         self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
         # Broadcast arguments read so by their shapes (rule `no-leading-axis`): positions among
-        # `bcast_idx`, checked when their structure changes (`specs.refuse_per_step_arrays`).
+        # `bcast_idx`, checked in every trace (`tracing.refuse_per_step_arrays`).
         rules = dict(zip(roles.params, roles.rules, strict=True))
         self.by_shape_bcast = tuple(
             k for k, p in enumerate(roles.of("broadcast")) if rules[p] == "no-leading-axis"

@@ -16,18 +16,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
 from .._analysis.analysis import Analysis
-from .._errors import (
-    PER_STEP_AFTER_BROADCAST,
-    UNHASHABLE_STATIC,
-    CallError,
-    Location,
-    ShapeError,
-    error,
-)
+from .._errors import UNHASHABLE_STATIC, CallError, Location, error
 from .._handles.nnx import Link
 from .._transport.layout import Layout, PackMode
 from .._transport.structure import Placement, Structure
@@ -143,10 +133,7 @@ class SpecCache:
         links: tuple[Link | None, ...] | None,
         bcast_structures: list[Structure],
         static: tuple[Any, ...],
-        bcast_leaves: tuple[list[Any], ...] = (),
     ) -> CallSpec:
-        """The spec of a call with these structures and static values; a new one is made
-        (and the call's broadcast arrays checked: `refuse_per_step_arrays`) on a miss."""
         j = program.instance_pos
         instance = None
         if j >= 0 and bcast_structures[j].root_type is None:
@@ -161,8 +148,6 @@ class SpecCache:
         except TypeError:
             raise self._unhashable(program, static) from None
         if spec is None:
-            if program.by_shape_bcast and bcast_leaves:
-                refuse_per_step_arrays(self._analysis, program, bcast_leaves, self._num_steps)
             if self._stale and not self._specs and self._renew is not None:
                 self._stale = False
                 self._renew()
@@ -228,28 +213,3 @@ def _freed(cache: weakref.ref[SpecCache], oid: int, ref: Any) -> None:
     specs = cache()
     if specs is not None:
         specs.free(oid)
-
-
-def refuse_per_step_arrays(
-    analysis: Analysis, program: Program, leaves: tuple[list[Any], ...], num_steps: int
-) -> None:
-    """Raise a `ShapeError` where an argument read as broadcast by its shapes at the first
-    call (rule `no-leading-axis`: no array with a leading axis of num_steps, or no array at
-    all) comes with another structure that holds arrays with that axis (`*extra` given one
-    more item, a dict one more key): nothing says they are the same for every step, and read
-    so, every step would see the whole chunk. (A structure seen before was checked then.)"""
-    params = program.roles.of("broadcast")
-    reasons = dict(zip(program.roles.params, program.roles.reasons, strict=True))
-    for j in program.by_shape_bcast:
-        per_step = [a for a in leaves[j] if np.ndim(a) >= 1 and np.shape(a)[0] == num_steps]
-        if per_step:
-            p = params[j]
-            raise error(
-                ShapeError,
-                PER_STEP_AFTER_BROADCAST,
-                analysis,
-                param=p,
-                first=reasons[p].removesuffix(" at the first call"),
-                shape=f"{jnp.result_type(per_step[0])}{list(np.shape(per_step[0]))}",
-                num_steps=num_steps,
-            )

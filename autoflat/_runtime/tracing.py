@@ -27,6 +27,7 @@ import numpy as np
 from .. import _jax
 from .._errors import (
     BAD_SCAN_LENGTH,
+    PER_STEP_AFTER_BROADCAST,
     STRUCTURE_BROADCAST,
     STRUCTURE_BROADCAST_LONGER,
     STRUCTURE_BROADCAST_SHORTER,
@@ -189,6 +190,30 @@ def _read_as_broadcast(spec: Any, old_arrays: Any, new_arrays: Any) -> str | Non
             fields = {"arg": p, "axis": axis, "num_steps": k}
             return STRUCTURE_BROADCAST.format(fix=fix.format(**fields), **fields)
     return None
+
+
+def refuse_per_step_arrays(spec: Any, leaves: tuple[list[Any], ...]) -> None:
+    """In a trace (a call with new structures or shapes): raise a `ShapeError` where an
+    argument read as broadcast by its shapes at the first call (rule `no-leading-axis`: no
+    array with a leading axis of num_steps, or no array at all) now holds one with that axis
+    (`*extra` given one more item, a dict one more key, a mask of other shape): nothing says
+    it is the same for every step, and read so, every step would see the whole chunk."""
+    program, k = spec.program, spec.num_steps
+    params = program.roles.of("broadcast")
+    reasons = dict(zip(program.roles.params, program.roles.reasons, strict=True))
+    for j in program.by_shape_bcast:
+        per_step = [a for a in leaves[j] if np.ndim(a) >= 1 and np.shape(a)[0] == k]
+        if per_step:
+            p = params[j]
+            raise error(
+                ShapeError,
+                PER_STEP_AFTER_BROADCAST,
+                spec.fn,
+                param=p,
+                first=reasons[p].removesuffix(" at the first call"),
+                shape=f"{per_step[0].dtype}{list(np.shape(per_step[0]))}",
+                num_steps=k,
+            )
 
 
 def _input_name(names: tuple[str, ...], path: tuple[Any, ...]) -> str:

@@ -1225,7 +1225,7 @@ def _shifted(w, extra):
 
 @claim(
     PAGE,
-    "or it holds no array at all (a later call where it comes with another structure, one more item or key, holding arrays with that leading axis is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
+    "or it holds no array at all (a later call where it holds an array with that leading axis, in one more item or key or in another shape, is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
 )
 @claim(PAGE, "`broadcast (no arrays at the first call)`")
 def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step_ones():
@@ -1246,6 +1246,9 @@ def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step
     full = data(2, 3, seed=1)  # no leading axis of K: broadcast, as the rule says
     (rw,), _ = jit_loop(lambda w, e: (_shifted(w, e),), (w,), (), K, ((full,),))
     tree_allclose(step(w, (full,)), rw, rtol=1e-5)
+    # An array of another shape with that leading axis, in the same structure, too.
+    with pytest.raises(autoflat.ShapeError, match="Now it holds float32\\[4, 3\\]"):
+        step(w, (data(K, 3, seed=2),))
 
 
 # Row 13: as-passed
@@ -3023,7 +3026,7 @@ def _extras(w, *extra):
 
 @claim(
     PAGE,
-    "A variadic parameter with no arrays at the first call (no extras passed) is broadcast for want of evidence, and a later call that passes arrays with a leading axis of `num_steps` there is an `autoflat.ShapeError` naming `per_step=` and `broadcast=`, as for any argument read as broadcast by its shapes that comes with another structure. A different number of extras compiles again, as under `jax.jit`.",
+    "A variadic parameter with no arrays at the first call (no extras passed) is broadcast for want of evidence, and a later call that passes arrays with a leading axis of `num_steps` there is an `autoflat.ShapeError` naming `per_step=` and `broadcast=`, as for any argument read as broadcast by its shapes. A different number of extras compiles again, as under `jax.jit`.",
 )
 def test_variadic_with_no_extras_then_extras():
     step = autoflat.step(_extras, num_steps=K)
