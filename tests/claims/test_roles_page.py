@@ -3079,6 +3079,24 @@ def test_flax_nnx_objects_inside_a_variadic_parameter_are_refused():
     with pytest.raises(autoflat.StateError, match="parameter of its own"):
         autoflat.step(step)(model, optimizer, jnp.ones((5, 3)), jnp.zeros((5, 2)))
 
+    def distill(student, optimizer, teachers, x):  # the teachers, in a tuple, only read
+        target = jnp.mean(jnp.stack([t(x) for t in teachers]), axis=0)
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(student)
+        optimizer.update(student, g)
+        return loss
+
+    def parts():
+        student = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        teachers = (nnx.Linear(3, 2, rngs=nnx.Rngs(1)), nnx.Linear(3, 2, rngs=nnx.Rngs(2)))
+        return student, nnx.Optimizer(student, optax.sgd(0.1), wrt=nnx.Param), teachers
+
+    xs = data(K, 5, 3)
+    s0, o0, t0 = parts()
+    want = jnp.stack([nnx.jit(distill)(s0, o0, t0, x) for x in xs])
+    s1, o1, t1 = parts()
+    tree_allclose(autoflat.step(distill, num_steps=K)(s1, o1, t1, xs), want, rtol=1e-5)
+    tree_allclose(s1.kernel[...], s0.kernel[...], rtol=1e-5)
+
 
 def _models_spread(*models):
     a, b = models
