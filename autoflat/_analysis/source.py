@@ -151,10 +151,8 @@ def _unnamed_static(fn: Any, info: Any) -> list[str]:
     P = inspect.Parameter
     parameters = _parameters(fn)
     params = [p.name for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    first = -len(params)
+    first = 0 if any(p.kind is P.VAR_POSITIONAL for p in parameters) else -len(params)
     found = []
-    if any(p.kind is P.VAR_POSITIONAL for p in parameters):
-        first = 0
     nums = tuple(getattr(info, "static_argnums", ()) or ())
     unnamed = tuple(i for i in nums if not first <= i < len(params))
     if unnamed:

@@ -223,7 +223,6 @@ def refuse_spread_flat(
                 OptionError, STATE_SPREAD_FLAT, analysis, param=p, num_steps=num_steps,
                 at=", ".join(map(str, taken)),
                 items=", ".join(first.names[q] or "..." for q in taken),
-                star="*" if p in analysis.variadic else "",
             )  # fmt: skip
 
 
