@@ -34,9 +34,19 @@ def pytest_report_header(config):
 def pytest_collection_finish(session):
     # The examples' smoke runs that the selected tests check, started now in the background
     # (tests/smoke_runs.py): on two cores they take the core that the suite leaves idle, niced.
+    # So is the two-process run of tests/test_multihost.py, when its tests are selected.
     if not session.config.option.collectonly:
         smoke_runs.start(smoke_runs.scripts_of(session.items))
+        for module in _multihost(session):
+            module.start_early()
 
 
 def pytest_sessionfinish(session):
     smoke_runs.stop()
+    for module in _multihost(session):
+        module.stop_early()
+
+
+def _multihost(session):
+    modules = {getattr(item, "module", None) for item in session.items}
+    return {m for m in modules if m is not None and m.__name__.endswith("test_multihost")}

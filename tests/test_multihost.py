@@ -13,9 +13,11 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,26 @@ CASES = ["dp", "fsdp", "nnx", "chunks", *(["resume"] if HAS_ORBAX else [])]
 COMPARED = [("dp", 1), ("dp", 4), ("fsdp", 1), ("fsdp", 4), ("nnx", 1), ("nnx", 4)]
 
 
+# The two-process run started once the tests are collected (`start_early`, from conftest.py):
+# it runs beside the tests before this module's, on the core that the suite leaves idle.
+_early: list[TwoProcesses] = []
+_taken: list[TwoProcesses] = []  # (an early run the fixture took: its folder removed at the end)
+
+
+def start_early() -> None:
+    """Start the two-process run of every case now, for the `runs` fixture to take."""
+    if worker.gloo_unavailable() is None and jax.device_count() >= worker.MESH_DEVICES:
+        _early.append(TwoProcesses(Path(tempfile.mkdtemp(prefix="multihost-")), CASES).start())
+
+
+def stop_early() -> None:
+    """Kill an early run no test took, and remove the folders of early runs."""
+    while _early or _taken:
+        started = (_early or _taken).pop()
+        started.kill()
+        shutil.rmtree(started.directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two-process run of every case, and the single-process references computed here
@@ -148,7 +170,11 @@ def runs(tmp_path_factory):
         pytest.skip(reason)
     if jax.device_count() < worker.MESH_DEVICES:
         pytest.skip(f"the single-process reference needs {worker.MESH_DEVICES} devices")
-    started = TwoProcesses(tmp_path_factory.mktemp("multihost"), CASES).start()
+    if _early:
+        started = _early.pop()
+        _taken.append(started)
+    else:
+        started = TwoProcesses(tmp_path_factory.mktemp("multihost"), CASES).start()
     try:
         references = {case: worker.reference(case, jax.devices()) for case in ("dp", "fsdp", "nnx")}
     except BaseException:
