@@ -3009,6 +3009,10 @@ def _with_rate(w, *batch):
     PAGE,
     "Items that need different roles (a per-step batch beside a learning rate the same every step, or beside a string or an optimizer) are the mixed case above: the `autoflat.ShapeError` says to name them as parameters of their own.",
 )
+@claim(
+    PAGE,
+    'not a plain tuple, list or dict with `num_steps > 1` where an item, an array or a plain container of them, has that leading axis on all its arrays (`(xs, "sum")`: the mixed case below)',
+)
 def test_variadic_items_of_different_roles_ask_to_name_them():
     w = jnp.ones(3)
     with pytest.raises(autoflat.ShapeError) as info:
