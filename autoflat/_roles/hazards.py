@@ -13,6 +13,8 @@ option that settles it, since guessed wrong it trains silently wrong.
   whose first axis happens to be num_steps?), and a per-step-looking bare array given back
   at its place under another name, where both readings type-check. All name `per_step=` and
   `state=`.
+- **Flax NNX objects inside a container** the body changes in place (not given back): their
+  changes would be lost; the error asks to pass each as a parameter of its own.
 
 Readings of returned state autoflat will not choose between are `state_hazards`'.
 """
@@ -29,17 +31,20 @@ from .._analysis.analysis import Analysis
 from .._errors import (
     MIXED_ARGUMENT,
     MIXED_VARIADIC,
+    NNX_NESTED,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
     RETURNED_PER_STEP,
     SHORT_FIRST_CHUNK,
     WRITTEN_PER_STEP,
     ShapeError,
+    StateError,
     error,
 )
+from .._handles.nnx import nested_module
 from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
-from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
+from .abstract import abstract_leaves, changes_inside, eval_one_step, positions_of, same_value
 from .matching import is_key
 from .options import Options, Role
 
@@ -283,3 +288,41 @@ def _short_first_chunk(
                     num_steps=num_steps,
                 )
     return None
+
+
+def refuse_nested_modules(
+    analysis: Analysis,
+    fn: Callable[..., Any],
+    kinds: dict[str, Role],
+    written_back: tuple[str, ...],
+    values: dict[str, Any],
+    n: int,
+) -> None:
+    """A Flax NNX object inside an argument that is not given back (`def step(*objs)` called
+    with `(model, optimizer, x, y)`, a metric in a dict the body writes into) that the body
+    changes in place: the change would be lost, where it is written back into one passed as
+    an argument of its own. One the body only reads (an ensemble, a teacher) is fine: an
+    abstract evaluation tells them apart (`abstract.changes_inside`). `kinds`: every
+    parameter's role, in order; `written_back`: the state not returned."""
+    params = tuple(kinds)
+    for p, role in kinds.items():
+        given_back = role == "state" and p not in written_back
+        found = None if given_back else nested_module(values[p])
+        if found is not None and changes_inside(fn, params, values, kinds, n, p):
+            raise error(
+                StateError,
+                NNX_NESTED,
+                analysis,
+                param=p,
+                path=f"{p}{found[0]}",
+                cls=found[1].__class__.__qualname__,
+                role=_ROLE_WORDS.get(role, role),
+            )
+
+
+_ROLE_WORDS = {
+    "scanned": "a per-step input, not state",
+    "broadcast": "broadcast, not state",
+    "static": "static, not state",
+    "state": "state written back into your object",
+}

@@ -50,7 +50,6 @@ import jax
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
-    NNX_NESTED,
     NNX_NOT_PYTREE,
     STATE_NOT_MATCHED,
     STATE_POSITION,
@@ -60,10 +59,10 @@ from .._errors import (
     StateError,
     error,
 )
-from .._handles.nnx import nested_module, opaque_module
+from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import SCALARS, changes_inside, eval_one_step, positions_of, same_value
+from .abstract import SCALARS, eval_one_step, positions_of, same_value
 from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_array_per_step_returned,
@@ -72,6 +71,7 @@ from .hazards import (
     check_written_per_step,
     leading_axis_error,
     raise_leading_axis_errors,
+    refuse_nested_modules,
 )
 from .nesting import looked_into, refuse_spread_flat, refuse_spread_state
 from .options import Options, Role
@@ -684,43 +684,16 @@ class _Inference:
         )
         roles = assign_roles(self.analysis, self.options, call)
         if self.call.may_mutate:
-            self._refuse_nested_modules(roles)
+            kinds = dict(zip(roles.params, roles.roles, strict=True))
+            refuse_nested_modules(
+                self.analysis, self.fn, kinds, roles.written_back, self.values, self.num_steps
+            )
         positions = {**self.given_back(), **self.returned_at}
         to_array = scalars_to_array(
             self.fn, roles, self.values, positions, self.for_eval, self.num_steps, self.out,
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
-
-    def _refuse_nested_modules(self, roles: Roles) -> None:
-        """A Flax NNX object inside an argument that is not state (`def step(*objs)` called
-        with `(model, optimizer, x, y)`) that the body changes in place: the change would be
-        lost, where it is written back into one passed as an argument of its own. (One the
-        body only reads, an ensemble or a teacher, is fine.)"""
-        kinds = dict(zip(roles.params, roles.roles, strict=True))
-        for p, role in kinds.items():
-            given_back = role == "state" and p not in roles.written_back
-            found = None if given_back else nested_module(self.values[p])
-            if found is not None and changes_inside(
-                self.fn, self.params, self.values, kinds, self.num_steps, p
-            ):
-                raise error(
-                    StateError,
-                    NNX_NESTED,
-                    self.analysis,
-                    param=p,
-                    path=f"{p}{found[0]}",
-                    cls=found[1].__class__.__qualname__,
-                    role=_ROLE_WORDS.get(role, role),
-                )
-
-
-_ROLE_WORDS = {
-    "scanned": "a per-step input, not state",
-    "broadcast": "broadcast, not state",
-    "static": "static, not state",
-    "state": "state written back into your object",
-}
 
 
 def _has_arrays(value: Any) -> bool:
