@@ -475,6 +475,29 @@ def test_star_args_state_spread_over_return_positions_asks():
     )
 
 
+def _sgd_step(train_state, x, y):
+    params, opt_state = train_state
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+    updates, opt_state = _SGD.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+_SGD = optax.sgd(0.1)
+
+
+def test_a_train_state_whose_optimizer_holds_no_arrays_spread_over_the_return_asks():
+    # optax.sgd's state is `(EmptyState(), EmptyState())`: no leaf to match, the params
+    # alone tell that `train_state` comes back at positions 0 and 1 (it was broadcast,
+    # the params stacked as an output).
+    params = {"w": jnp.ones(3)}
+    xs, ys = jnp.linspace(0, 1, K * 15).reshape(K, 5, 3), jnp.ones((K, 5))
+    with pytest.raises(autoflat.OptionError, match="come back one by one at return positions 0, 1"):
+        autoflat.step(_sgd_step, num_steps=K)((params, _SGD.init(params)), xs, ys)
+    # At one step a call nothing is carried: as jax.jit.
+    state = (params, _SGD.init(params))
+    tree_allclose(autoflat.step(_sgd_step)(state, xs[0], ys[0]), jax.jit(_sgd_step)(state, xs[0], ys[0]))
+
+
 # --- what those refusals leave alone ---------------------------------------------------------
 
 

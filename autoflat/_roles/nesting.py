@@ -203,6 +203,7 @@ def refuse_spread_flat(
         flows = flow() if flows is None else flows
         taken: list[int] = []
         for item in value:
+            empty = not jax.tree_util.tree_leaves(item)  # (`optax.sgd`'s `EmptyState()`)
             pos = next(
                 (
                     q
@@ -210,8 +211,7 @@ def refuse_spread_flat(
                     if q not in taken_back
                     and q not in taken
                     and same_value(item, outputs[q])
-                    and flows[q].smooth
-                    and all(p in sources for sources in flows[q].smooth)
+                    and (empty or _computed_from(flows[q], p))
                 ),
                 None,
             )
@@ -219,11 +219,19 @@ def refuse_spread_flat(
                 break
             taken.append(pos)
         else:
+            if not jax.tree_util.tree_leaves(value):
+                continue
             raise error(
                 OptionError, STATE_SPREAD_FLAT, analysis, param=p, num_steps=num_steps,
                 at=", ".join(map(str, taken)),
                 items=", ".join(first.names[q] or "..." for q in taken),
             )  # fmt: skip
+
+
+def _computed_from(flow: Flow, param: str) -> bool:
+    """Whether every leaf of a return position is computed from `param` other than
+    through reductions alone (and there is one)."""
+    return bool(flow.smooth) and all(param in sources for sources in flow.smooth)
 
 
 def _paths(nest: tuple[Any, ...]) -> list[str]:
