@@ -495,7 +495,9 @@ def test_a_train_state_whose_optimizer_holds_no_arrays_spread_over_the_return_as
         autoflat.step(_sgd_step, num_steps=K)((params, _SGD.init(params)), xs, ys)
     # At one step a call nothing is carried: as jax.jit.
     state = (params, _SGD.init(params))
-    tree_allclose(autoflat.step(_sgd_step)(state, xs[0], ys[0]), jax.jit(_sgd_step)(state, xs[0], ys[0]))
+    tree_allclose(
+        autoflat.step(_sgd_step)(state, xs[0], ys[0]), jax.jit(_sgd_step)(state, xs[0], ys[0])
+    )
 
 
 # --- what those refusals leave alone ---------------------------------------------------------
