@@ -500,6 +500,43 @@ def test_a_train_state_whose_optimizer_holds_no_arrays_spread_over_the_return_as
     )
 
 
+def _adam_inner(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+    updates, opt_state = _ADAM.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+_ADAM = optax.adam(0.1)
+
+
+def _through_a_helper(train_state, x, y):
+    return _adam_inner(*train_state, x, y)
+
+
+def _through_a_helper_as_one(train_state, x, y):
+    params, opt_state, loss = _adam_inner(*train_state, x, y)
+    return (params, opt_state), loss
+
+
+def test_a_train_state_spread_over_the_tuple_a_helper_returns_asks():
+    params = {"w": jnp.ones(3)}
+    state = (params, _ADAM.init(params))
+    xs, ys = jnp.linspace(0, 1, K * 15).reshape(K, 5, 3), jnp.ones((K, 5))
+    with pytest.raises(autoflat.OptionError) as info:
+        autoflat.step(_through_a_helper, num_steps=K)(state, xs, ys)
+    assert (
+        "the items of `train_state` come back one by one at return positions 0, 1 (the items"
+        " of the tuple its `return` gives)" in str(info.value)
+    )
+    # The fix it names, equal to the jax.jit loop.
+    want, losses = state, []
+    for i in range(K):
+        want, loss = jax.jit(_through_a_helper_as_one)(want, xs[i], ys[i])
+        losses.append(loss)
+    got = autoflat.step(_through_a_helper_as_one, num_steps=K)(state, xs, ys)
+    tree_allclose(got, (want, jnp.stack(losses)), rtol=1e-5)
+
+
 # --- what those refusals leave alone ---------------------------------------------------------
 
 

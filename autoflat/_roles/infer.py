@@ -398,6 +398,25 @@ class _Inference:
         self.counters = counters
         self.outputs = outputs
 
+    def _refuse_spread_flat(self) -> None:
+        """`nesting.refuse_spread_flat`, over the written tuple's positions, or over the items
+        of the tuple one returned expression gives where nothing matched inside it
+        (`return _inner(*train_state, x, y)`)."""
+        first, outputs = self.first, self.outputs
+        given_back = {**self.returned_at, **self.given_back()}
+        assert first is not None and outputs
+        if first.kind == "single" and type(outputs[0]) is tuple and not given_back:
+            first = dataclasses.replace(
+                first, kind="tuple", names=(None,) * len(outputs[0]), gradients=()
+            )
+            outputs = list(outputs[0])
+        elif first.kind != "tuple" or first.nest is not None:
+            return
+        refuse_spread_flat(
+            self.analysis, self.values, self.pending, given_back, outputs, self.num_steps,
+            self._flow_of(first), first.names, items_of_one=first is not self.first,
+        )  # fmt: skip
+
     def _carried(self) -> list[str]:
         """The parameters that could come back through a return, in order: not a method's
         instance, those named broadcast= or bound by a functools.partial, or state written
@@ -515,10 +534,7 @@ class _Inference:
                 analysis, values, self.pending, {**self.returned_at, **self.given_back()},
                 self.outputs, num_steps,
             )  # fmt: skip
-            refuse_spread_flat(
-                analysis, values, self.pending, {**self.returned_at, **self.given_back()},
-                self.outputs, num_steps, self._flow_of(first),
-            )  # fmt: skip
+            self._refuse_spread_flat()
             per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
             refuse_changed_type(
                 analysis, values, self.pending, self.given_back(counters=False),

@@ -181,6 +181,8 @@ def refuse_spread_flat(
     outputs: list[Any],
     num_steps: int,
     flow: Callable[[], list[Flow]],
+    names: tuple[str | None, ...],
+    items_of_one: bool = False,
 ) -> None:
     """A tuple argument no position gives back whose items come back one by one at return
     positions of their own, each computed from it other than through reductions alone
@@ -188,10 +190,8 @@ def refuse_spread_flat(
     metric computed with hyperparameters `(lr, wd)`, nor gradients with respect to it; not a
     container of scalar arrays, whose items as a loss and a metric look alike): at
     num_steps > 1 it would be broadcast and every step would restart from it, its new items
-    stacked as outputs. Refused, with the fixes."""
-    first = analysis.returns[0] if analysis.returns else None
-    if first is None or first.kind != "tuple" or first.nest is not None:
-        return
+    stacked as outputs. Refused, with the fixes. `items_of_one`: the positions are the items
+    of the tuple one returned expression gives (`return _inner(*train_state, x, y)`)."""
     taken_back = set(given_back.values())
     flows: list[Flow] | None = None
     for p in pending:
@@ -223,8 +223,9 @@ def refuse_spread_flat(
                 continue
             raise error(
                 OptionError, STATE_SPREAD_FLAT, analysis, param=p, num_steps=num_steps,
-                at=", ".join(map(str, taken)),
-                items=", ".join(first.names[q] or "..." for q in taken),
+                at=", ".join(map(str, taken))
+                + (" (the items of the tuple its `return` gives)" if items_of_one else ""),
+                items=", ".join(names[q] or "..." for q in taken),
             )  # fmt: skip
 
 
