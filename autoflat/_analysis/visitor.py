@@ -209,6 +209,7 @@ class Visitor(cst.CSTVisitor):
     def __init__(self, root: cst.FunctionDef) -> None:
         self.root = root
         self.params = frozenset(_param_nodes(root.params))
+        self.star_kwarg = root.params.star_kwarg  # `**kwargs`: a dict the call itself owns
         self.scope: meta.Scope | None = None  # the root function's own scope
         self.returns: list[tuple[cst.Return, int]] = []
         self.assigned: dict[str, int] = {}
@@ -340,11 +341,26 @@ class Visitor(cst.CSTVisitor):
         "removed"): into a parameter, or kept to resolve through aliases at the end."""
         param = self._parameter(chain)
         if param is not None:
-            self._note(table, param, spelling, line)
+            if not self._into_own_kwargs(table, chain):
+                self._note(table, param, spelling, line)
             return
         base = _base(chain)
         if isinstance(base, cst.Name):
             self.pending.append((base, table, spelling, line))
+
+    def _into_own_kwargs(self, table: str, chain: cst.BaseExpression) -> bool:
+        """A write into the dict Python builds for `**kwargs` itself, not into a value in it
+        (`kw["x"] = ...`, `kw.pop("rng")`, `kw |= {...}`): the call's own dict, which the
+        caller never holds (as under `jax.jit`, nothing to write back)."""
+        if table == "assigned" and isinstance(chain, cst.Subscript):
+            chain = chain.value
+        return isinstance(chain, cst.Name) and self._is_star_kwarg(chain)
+
+    def _is_star_kwarg(self, name: cst.Name) -> bool:
+        star = self.star_kwarg
+        return star is not None and any(
+            getattr(a, "node", None) is star for a in self._referents(name)
+        )
 
     def _note(self, table: str, param: str, spelling: str, line: int) -> None:
         if table == "assigned":
@@ -469,7 +485,8 @@ class Visitor(cst.CSTVisitor):
             # the target as a binding only, not a read of the parameter).
             param = node.target.value
             op = cst.Module([]).code_for_node(node.operator).strip()
-            self._note("in_place", param, f"{param} {op} ...", self._line(node))
+            if not self._into_own_kwargs("in_place", node.target):
+                self._note("in_place", param, f"{param} {op} ...", self._line(node))
 
     def _rebinds_parameter(self, name: cst.Name) -> bool:
         """Whether the target `name` of an augmented assignment may be a parameter."""

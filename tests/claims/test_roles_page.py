@@ -3047,6 +3047,52 @@ def test_variadic_with_no_extras_then_extras():
     assert autoflat.stats(counted).traces == 2
 
 
+def _popping(params, x, **kwargs):
+    rng = kwargs.pop("rng")
+    kwargs.setdefault("scale", 1.0)
+    kwargs["noise"] = jax.random.normal(rng, x.shape) * 0.01
+    loss, g = jax.value_and_grad(
+        lambda p: jnp.mean(((x + kwargs["noise"]) @ p) ** 2) * kwargs["scale"]
+    )(params)
+    return params - 0.1 * g, loss
+
+
+def _into_a_value(w, x, **kwargs):
+    kwargs["stats"]["n"] = kwargs["stats"]["n"] + 1.0
+    return w * 0.5 + x.sum(), w.sum()
+
+
+@claim(
+    PAGE,
+    'The dict `**kwargs` holds is the call\'s own, as under `jax.jit`: writes into it (`kwargs["noise"] = ...`, `rng = kwargs.pop("rng")`, `kwargs.setdefault(...)`) stay inside the step and give it no role (a write into a value it holds, `kwargs["stats"]["n"] = ...`, is a write into the caller\'s object, rule 5).',
+)
+def test_writes_into_the_kwargs_dict_stay_in_the_step():
+    xs, keys = data(8, 5, 3), jax.random.split(jax.random.PRNGKey(0), 8)
+    w, losses = jnp.ones(3), []
+    for i in range(8):
+        w, loss = jax.jit(_popping)(w, xs[i], rng=keys[i], scale=jnp.float32(2.0))
+        losses.append(loss)
+    step = autoflat.step(_popping, num_steps=K, per_step="kwargs")
+    got, out = jnp.ones(3), []
+    for c in range(8 // K):
+        chunk = slice(c * K, (c + 1) * K)
+        got, loss = step(got, xs[chunk], rng=keys[chunk], scale=jnp.full((K,), 2.0))
+        out.append(loss)
+    tree_allclose((got, jnp.concatenate(out)), (w, jnp.stack(losses)), rtol=1e-5)
+    assert role_line(step, "**kwargs").startswith("scanned (per_step=)")
+    one = autoflat.step(_popping)
+    tree_allclose(
+        one(jnp.ones(3), xs[0], rng=keys[0]),
+        jax.jit(_popping)(jnp.ones(3), xs[0], rng=keys[0]),
+        rtol=1e-6,
+    )
+    assert role_line(one, "**kwargs").startswith("scanned (per-step input)")
+    # A value inside it is the caller's: assigned into, state.
+    inner = autoflat.step(_into_a_value)
+    inner(jnp.ones(3), data(1, 3)[0], stats={"n": jnp.float32(0.0)})
+    assert role_line(inner, "**kwargs").startswith("state (assigned into at line")
+
+
 @claim(
     PAGE,
     "A `functools.partial` that binds some of `*args` binds the parameters before it (rule 10); the variadic one is the call's, and with `num_steps > 1` a partial that binds into it is an `autoflat.OptionError` unless `broadcast=` or `per_step=` names it.",
