@@ -554,7 +554,8 @@ keep its tree structure, non-array fields, shapes and dtypes from step to step. 
 # STRUCTURE_CHANGED's advice: by default; where a Python number in the state changed or came
 # in or out where an array was; where
 # the new shape holds the leading axis of an argument read as broadcast by its shape
-# (`_runtime.tracing`), with the fix for a leading axis longer or shorter than num_steps.
+# (`_runtime.tracing`), with the fix for a leading axis longer or shorter than num_steps;
+# where state returned by name leads with num_steps (a per-step input returned).
 STRUCTURE_FIXED = """\
 Keep them fixed, or use num_steps=1, where the structure may change between calls."""
 
@@ -579,6 +580,16 @@ rest in later calls), or use num_steps={axis}."""
 STRUCTURE_BROADCAST_SHORTER = """\
 If `{arg}` is a first chunk of {axis} steps, say so with `per_step="{arg}"`, or pass a first \
 chunk of {num_steps} (shorter chunks are fine after it)."""
+
+STRUCTURE_RETURNED_PER_STEP = """\
+Keep them fixed.
+
+`{arg}` is carried as state because the step returns it by name [rule: returned-by-name], \
+and every array in it has a leading axis of num_steps={num_steps}: each step saw the whole \
+chunk. If `{arg}` is a per-step input whose new value the step returns each step, say so \
+(its returned values are then stacked):
+
+    @autoflat.step(..., per_step="{arg}")"""
 
 AOT_MISMATCH = """\
 Calling the compiled `{name}` ({where}) with arguments whose structures, static values, \

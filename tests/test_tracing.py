@@ -3,9 +3,10 @@ structure or shape within one call, `unroll`."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
-from helpers import accumulate
+from helpers import accumulate, tree_allclose
 from helpers import ones as _ones
 
 import autoflat
@@ -128,6 +129,33 @@ def test_a_state_change_from_an_input_read_as_broadcast_by_its_shape_names_it(ax
     fixed = autoflat.step(update, num_steps=3, per_step=("xs", "ys") if axis == 2 else ())
     w, sums = fixed(w, jnp.ones((3, 2))[:axis], jnp.ones((axis, 2))[:3])
     assert w.shape == (2,) and sums.shape == (min(axis, 3),)
+
+
+def _normalised(w, x):
+    x = (x - x.mean()) / (x.std() + 1e-6)
+    w = w + 0.1 * x.sum(0)
+    return w, x
+
+
+def test_a_state_change_from_a_per_step_input_returned_by_name_names_it():
+    # `x` is returned by name after the body rebinds it: state by rule 2, carried whole, so
+    # `x.sum(0)` is (5, 3) and `w` changes shape. The message names `x`, not only `w`.
+    xs = jnp.linspace(0, 1, 60).reshape(4, 5, 3)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_normalised, num_steps=4)(jnp.ones(3), xs)
+    assert str(info.value).endswith(
+        "`x` is carried as state because the step returns it by name [rule: returned-by-name], "
+        "and every array in it has a leading axis of num_steps=4: each step saw the whole "
+        "chunk. If `x` is a per-step input whose new value the step returns each step, say so "
+        '(its returned values are then stacked):\n\n    @autoflat.step(..., per_step="x")\n'
+    )
+    # The fix it names: equal to the jax.jit loop.
+    w, outs = jnp.ones(3), []
+    for x in xs:
+        w, out = jax.jit(_normalised)(w, x)
+        outs.append(out)
+    got = autoflat.step(_normalised, num_steps=4, per_step="x")(jnp.ones(3), xs)
+    tree_allclose(got, (w, jnp.stack(outs)), rtol=1e-5)
 
 
 def test_unroll_is_passed_to_scan():

@@ -33,6 +33,7 @@ from .._errors import (
     STRUCTURE_BROADCAST_SHORTER,
     STRUCTURE_CHANGED,
     STRUCTURE_FIXED,
+    STRUCTURE_RETURNED_PER_STEP,
     STRUCTURE_SCALAR,
     ShapeError,
     error,
@@ -137,16 +138,26 @@ def _scan(
                 if (a.shape, a.dtype) != (jnp.shape(b), jnp.result_type(b)) and not (
                     _jax.weak_type(a) and a.shape == jnp.shape(b)
                 ):
-                    _changed(spec, i, old.structure, old.arrays, new.structure, new.arrays)
+                    _changed(spec, i, old.structure, old.arrays, new.structure, new.arrays, carry)
         # (A weakly typed leaf of another dtype: `lax.scan` promotes it and traces again.)
         return new_carry, ys
 
     return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)
 
 
-def _changed(spec: Any, index: int, old: Any, old_arrays: Any, new: Any, new_arrays: Any) -> None:
+def _changed(
+    spec: Any,
+    index: int,
+    old: Any,
+    old_arrays: Any,
+    new: Any,
+    new_arrays: Any,
+    carry: Any = None,
+) -> None:
     param = spec.program.roles.state[index]
     advice = _read_as_broadcast(spec, old_arrays, new_arrays)
+    if advice is None and carry is not None:
+        advice = _returned_per_step(spec, carry)
     if advice is None:
         advice = STRUCTURE_SCALAR if _structure.static_changed(old, new) else STRUCTURE_FIXED
     raise error(
@@ -189,6 +200,23 @@ def _read_as_broadcast(spec: Any, old_arrays: Any, new_arrays: Any) -> str | Non
             fix = STRUCTURE_BROADCAST_LONGER if axis > k else STRUCTURE_BROADCAST_SHORTER
             fields = {"arg": p, "axis": axis, "num_steps": k}
             return STRUCTURE_BROADCAST.format(fix=fix.format(**fields), **fields)
+    return None
+
+
+def _returned_per_step(spec: Any, carry: Any) -> str | None:
+    """Where a parameter is state because the step returns it by name (rule 2) and every
+    array in it leads with num_steps (a per-step input normalised, then returned), the
+    advice that names it: carried whole, every step saw the whole chunk; else None."""
+    roles, k = spec.program.roles, spec.num_steps
+    rules = dict(zip(roles.params, roles.rules, strict=True))
+    for p, flat in zip(roles.state, carry, strict=True):
+        arrays = flat.arrays
+        if (
+            rules.get(p) == "returned-by-name"
+            and arrays
+            and all(np.ndim(a) and np.shape(a)[0] == k for a in arrays)
+        ):
+            return STRUCTURE_RETURNED_PER_STEP.format(arg=p, num_steps=k)
     return None
 
 
