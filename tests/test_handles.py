@@ -373,6 +373,61 @@ def test_walking_a_mutable_handle_reads_a_copy_and_keeps_it_unbuilt():
     assert after.fast_path == before.fast_path + 1 and after.copies == before.copies
 
 
+def _adam_dict_step(params, opt_state, x):
+    loss, grads = jax.value_and_grad(lambda p: jnp.sum((p["w"] * x + p["b"]) ** 2))(params)
+    updates, opt_state = _ADAM.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+_ADAM = optax.adam(0.1)
+
+
+@pytest.mark.parametrize("take", ["leaves", "tree_map", "flatten_with_path"])
+def test_arrays_a_walk_of_a_mutable_handle_gave_out_stay_valid(take):
+    """`jax.tree.leaves(h)` of a handle of dicts gives its own buffers (the walk's copy holds
+    them): kept by the caller, the next donating call copies them first, as `jax.jit` leaves
+    them valid; not kept, nothing is copied (above)."""
+    walks = {
+        "leaves": jax.tree.leaves,
+        "tree_map": lambda t: jax.tree.leaves(jax.tree.map(lambda a: a, t)),
+        "flatten_with_path": lambda t: [v for _, v in jax.tree_util.tree_flatten_with_path(t)[0]],
+    }
+    step = autoflat.step(_adam_dict_step)
+    params = {"w": jnp.ones(3), "b": jnp.zeros(3)}
+    params, opt_state, _ = step(params, _ADAM.init(params), jnp.ones(3))
+    kept = walks[take](params) + walks[take](opt_state)
+    want = [np.array(a) for a in kept]
+    before = autoflat.stats(step)
+    params, opt_state, _ = step(params, opt_state, jnp.ones(3))
+    params, opt_state, _ = step(params, opt_state, jnp.ones(3))
+    assert autoflat.stats(step).copies == before.copies + 2  # (the first of the two calls)
+    for a, b in zip(kept, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def _dict_state_step(ts, x):
+    params, opt_state, _ = _adam_dict_step(ts["params"], ts["opt"], x)
+    return {"params": params, "opt": opt_state}, jnp.sum(params["w"])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_state_holding_another_steps_handles_is_carried_as_their_objects(k):
+    """`{"params": p, "opt": s}` built from handles another step returned: to JAX each handle
+    is a node of its own type, which a `lax.scan` carry cannot keep (the step gives back
+    dicts); the call takes their objects, as `jax.jit` would, and leaves them valid."""
+    first = autoflat.step(_adam_dict_step)
+    params = {"w": jnp.ones(3), "b": jnp.zeros(3)}
+    p, s, _ = first(params, _ADAM.init(params), jnp.ones(3))
+    xs = jnp.linspace(0.5, 1.5, 3 * k).reshape(k, 3)
+    step = autoflat.step(_dict_state_step, num_steps=k)
+    got, _ = step({"params": p, "opt": s}, xs if k > 1 else xs[0])
+    want = {"params": autoflat.unwrap(p), "opt": autoflat.unwrap(s)}
+    for x in xs:
+        want, _ = jax.jit(_dict_state_step)(want, x)
+    tree_allclose(autoflat.unwrap(got), want, rtol=1e-6)
+    np.asarray(p["w"]), jax.tree.leaves(s)  # still valid
+
+
 def test_key_paths_of_a_rebuilt_mutable_handle_follow_its_object():
     @autoflat.step
     def step(params, x):

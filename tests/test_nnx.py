@@ -162,6 +162,48 @@ def test_functional_nnx_step_returns_new_objects():
     assert model(jnp.ones((2, 4))).shape == (2, 3)
 
 
+class _Counted(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(2))
+        self.n = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.n[...] = self.n[...] + 1
+        return x * self.w
+
+
+def _forward(m, x):
+    y = m(x)
+    return m, y.sum()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_nnx_jit_and_nnx_update_on_a_returned_handle_reach_the_next_call(k):
+    """What `nnx.jit` or `nnx.update` writes in place into a returned object's Variables,
+    through its handle, is the object's: read back and taken by the next call (the handle
+    is rebuilt for them, not walked as a copy)."""
+    bump = nnx.jit(lambda m, x: m(x))
+    x = jnp.ones((k, 2)) if k > 1 else jnp.ones(2)
+    results = []
+    for step in (autoflat.step(_forward, num_steps=k), None):
+        m = _Counted()
+        for _ in range(k):  # the reference: nnx.jit, one step a call
+            if step is None:
+                m, _ = nnx.jit(_forward)(m, jnp.ones(2))
+        if step is not None:
+            m, _ = step(m, x)
+        bump(m, jnp.ones(2))
+        nnx.update(m, jax.tree.map(lambda a: a + 10, nnx.state(m, nnx.BatchStat)))
+        seen = float(m.n[...])
+        if step is not None:
+            m, _ = step(m, x)
+        else:
+            for _ in range(k):
+                m, _ = nnx.jit(_forward)(m, jnp.ones(2))
+        results.append((seen, float(m.n[...])))
+    assert results[0] == results[1] == (k + 11.0, 2 * k + 11.0)
+
+
 def two_models(model, other, x):
     model.l1.kernel.value = model.l1.kernel.value + jnp.sum(x)
     other.l2.bias.value = other.l2.bias.value + 1.0

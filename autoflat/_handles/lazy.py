@@ -31,6 +31,7 @@ import os
 import sys
 import sysconfig
 import types
+import weakref
 from typing import Any
 
 import jax
@@ -110,6 +111,7 @@ class LazyHandle(metaclass=_HandleType):
         "_af_layout",
         "_af_unpacked",
         "_af_consumer",
+        "_af_lent",
         "__weakref__",
     )
 
@@ -121,6 +123,7 @@ class LazyHandle(metaclass=_HandleType):
     _af_param: str
     _af_consumed_by: int
     _af_consumer: Origin | None  # the step whose call consumed it
+    _af_lent: bool  # its arrays went out in a copy of its object (`_object_for_jax`)
 
     def __init__(
         self,
@@ -142,6 +145,7 @@ class LazyHandle(metaclass=_HandleType):
         set_(self, "_af_consumer", None)
         set_(self, "_af_layout", layout)
         set_(self, "_af_unpacked", None)
+        set_(self, "_af_lent", False)
 
     # --- the real object -------------------------------------------------------------------
     def _af_check(self) -> None:
@@ -353,7 +357,7 @@ def new_handle(
     call, and this is the cheapest way to fill a slotted object whose `__setattr__` forwards
     to the real one."""
     h = object.__new__(LazyHandle)
-    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9 = _slot_setters
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10 = _slot_setters
     s0(h, structure)
     s1(h, arrays)
     s2(h, placement)
@@ -364,6 +368,7 @@ def new_handle(
     s7(h, layout)
     s8(h, None)
     s9(h, None)
+    s10(h, False)
     return h
 
 
@@ -391,16 +396,39 @@ class _OneLevel:
 def _object_for_jax(h: LazyHandle) -> Any:
     """The real object whose root children JAX sees through handle `h`: its own object once
     rebuilt; else, of immutable structure, rebuilt now and kept (it can never go stale, and
-    the step still takes the handle on its fast path); else a copy for this traversal only,
-    so the handle stays unbuilt and the step takes it next on the fast path."""
+    the step still takes the handle on its fast path); else, of plain dicts and lists, a copy
+    for this traversal only, so the handle stays unbuilt and the step takes it next on the
+    fast path (its arrays are lent: a donating call copies those still held elsewhere,
+    `jax.tree.leaves(h)` kept); else (a Flax NNX module, whose Variables `nnx.update` or
+    `nnx.jit` write in place) rebuilt now and kept, so what they write reaches the object."""
     obj = object.__getattribute__(h, "_af_obj")
     if obj is not _UNBUILT:
         return LazyHandle._af_get(h)  # (raises if consumed)
     structure = object.__getattribute__(h, "_af_structure")
-    if structure.immutable:
+    if structure.immutable or not structure.plain:
         return LazyHandle._af_get(h)
     LazyHandle._af_check(h)
+    object.__setattr__(h, "_af_lent", True)
     return structure.unflatten(LazyHandle._af_leaf_arrays(h))
+
+
+_holding: weakref.WeakKeyDictionary[Structure, bool] = weakref.WeakKeyDictionary()
+
+
+def holds_handles(structure: Structure) -> bool:
+    """Whether a value of `structure` holds handles below its root (a dict of two steps'
+    results): to JAX each is a node of its own type, not the object's."""
+    found = _holding.get(structure)
+    if found is None:
+        found = _holding[structure] = _treedef_holds(structure.treedef)
+    return found
+
+
+def _treedef_holds(treedef: Any) -> bool:
+    data = treedef.node_data()
+    if data is not None and data[0] is LazyHandle:
+        return True
+    return any(_treedef_holds(c) for c in treedef.children())
 
 
 def _flatten_handle(h: LazyHandle) -> tuple[list[Any], _OneLevel]:

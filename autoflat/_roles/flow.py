@@ -55,8 +55,8 @@ class Flow(NamedTuple):
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
-# `flows(additions=True)`).
-ADDITIONS = frozenset({"add", "sub", "add_any"})
+# `flows(additions=True)`): a sum, and a running maximum or minimum (`jnp.maximum(best, acc)`).
+ADDITIONS = frozenset({"add", "sub", "add_any", "max", "min"})
 SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
 
 

@@ -625,9 +625,11 @@ class _Inference:
 
     def _new_value_of(self, p: str, pos: int) -> bool:
         """Evidence beyond its value that return position `pos` is `p`'s new value: made by
-        an addition whose first operand is `p`'s own array (`p - lr * g`, `total + loss`),
-        or a tree with named parts (a dict, a named tuple, a dataclass) computed from `p`
-        (a dict of counters updated by `(n + r) * (1 - done)`)."""
+        an addition or a running maximum whose first operand is `p`'s own array (`p - lr *
+        g`, `total + loss`, `jnp.maximum(best, acc)`), returned under `p`'s own name or it
+        with a word for new (`new_total`) and computed from `p`, or a tree with named parts
+        (a dict, a named tuple, a dataclass) computed from `p` (a dict of counters updated by
+        `(n + r) * (1 - done)`)."""
         first = self.first
         assert first is not None
         if self._added is None:
@@ -637,6 +639,8 @@ class _Inference:
             )  # fmt: skip
         if any(p in takes for takes in self._added[pos].takes):
             return True
+        if first.kind == "tuple" and _matching.renamed(p, pos, first.names):
+            return p in self._flow_of(first)()[pos].sources  # (`new_total = loss + total`)
         return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos].sources
 
     def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from .._errors import BAD_CALL, CallError, error
 from .._handles import nnx as _nnx
 from .._handles import writeback as _writeback
-from .._handles.lazy import _UNBUILT, LazyHandle
+from .._handles.lazy import _UNBUILT, LazyHandle, holds_handles
 from .._roles.abstract import SCALARS
 from .._transport import host as _host
 from .._transport.layout import Layout, PackMode
@@ -280,6 +280,17 @@ def _nnx_kept(hit: _nnx.NnxCache, arrays: list[Any]) -> list[int]:
     return held_elsewhere(arrays, indices, [1 + leaves[id(a)] for a in arrays])
 
 
+def _nested_built(value: Any) -> Any:
+    """A state argument holding handles of other steps' results (`{"params": p, "opt": s}`)
+    with each rebuilt in place, so its structure is the one the step gives back (a handle is
+    a node type of its own to JAX, and a `lax.scan` carry keeps its structure)."""
+    return jax.tree.map(
+        lambda x: LazyHandle._af_get(x) if type(x) is LazyHandle else x,
+        value,
+        is_leaf=lambda x: type(x) is LazyHandle,
+    )
+
+
 def _take_flattened(
     step: Any,
     call: Call,
@@ -300,6 +311,9 @@ def _take_flattened(
         stats.flattens += 1
     else:
         structure, arrays = flatten(a)
+        if holds_handles(structure):
+            a = _nested_built(a)
+            structure, arrays = flatten(a)
         if is_array(a) or not arrays:
             # State that is one array, or has none, comes back as it is (not a handle):
             # passing it back is the fast path though it is not a handle (no tree).

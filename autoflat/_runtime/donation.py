@@ -61,9 +61,14 @@ def _local_array(a: Any) -> bool:
 
 def uncaught(step: Any, h: LazyHandle, ours: bool) -> list[Any]:
     """The buffers of handle `h` to donate: its own, but copies of those the caller may hold
-    too (`caller_held`: after a rebuild, or under `lazy=False`)."""
+    too (`caller_held`: after a rebuild, or under `lazy=False`; or, lent to a traversal,
+    `jax.tree.leaves(h)`, those something besides the handle still holds)."""
     buffers = h._af_arrays
-    held = caller_held(h, ours) if step.donate and h._af_structure.immutable else []
+    held: list[int] = []
+    if step.donate and h._af_structure.immutable:
+        held = caller_held(h, ours)
+    elif step.donate and h._af_lent and h._af_layout is None:
+        held = held_elsewhere(buffers, list(range(len(buffers))), 1)
     if not held:
         return buffers
     step._diag.stats.copies += 1

@@ -10,6 +10,7 @@ says how two structures differ.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import threading
@@ -66,6 +67,7 @@ class Structure:
         "array_positions",
         "n_arrays",
         "_immutable",
+        "_plain",
         "key",
         "root_type",
         "__weakref__",
@@ -85,6 +87,7 @@ class Structure:
         self.array_positions = positions
         self.n_arrays = len(positions)
         self._immutable: bool | None = None
+        self._plain: bool | None = None
         self.key = key
         data = treedef.node_data()
         # The type of the root node (None for a leaf): read on every call (`handle.__class__`).
@@ -111,6 +114,16 @@ class Structure:
             self._immutable = _treedef_immutable(self.treedef)
         return self._immutable
 
+    @property
+    def plain(self) -> bool:
+        """Whether every node of a value of this structure that can change in place is a
+        plain dict or list: then a copy of it is as good as the value for a traversal that
+        only reads (no object whose fields another library writes in place, such as a Flax
+        NNX module's Variables)."""
+        if self._plain is None:
+            self._plain = _treedef_plain(self.treedef)
+        return self._plain
+
     def __repr__(self) -> str:
         return f"Structure({self.treedef}, arrays={self.n_arrays})"
 
@@ -123,6 +136,16 @@ def _type_immutable(t: type) -> bool:
         return True
     eqx = sys.modules.get("equinox")
     return eqx is not None and issubclass(t, eqx.Module)
+
+
+_PLAIN_MUTABLE = (dict, list, collections.OrderedDict, collections.defaultdict)
+
+
+def _treedef_plain(treedef: Any) -> bool:
+    data = treedef.node_data()
+    if data is not None and not (data[0] in _PLAIN_MUTABLE or _type_immutable(data[0])):
+        return False
+    return all(_treedef_plain(c) for c in treedef.children())
 
 
 def _treedef_immutable(treedef: Any) -> bool:
