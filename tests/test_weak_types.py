@@ -478,6 +478,54 @@ def test_a_bare_weak_total_added_to_at_its_place_is_promoted_state():
         tree_allclose((w, outs), (want_w, jnp.stack(want)))
 
 
+def _running_max(w, best, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.1 * x, jnp.maximum(best, loss)
+
+
+def _renamed_total(w, total, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    new_total = loss + total
+    return w - 0.1 * x, new_total
+
+
+def _bf16_ema(state, x):
+    loss = jnp.mean(x).astype(jnp.bfloat16)
+    return {"ema": 0.9 * state["ema"] + 0.1 * loss, "w": state["w"] * 0.5}, loss
+
+
+@pytest.mark.parametrize("fn", [_running_max, _renamed_total])
+def test_a_running_maximum_or_a_renamed_weak_total_is_promoted_state(fn):
+    """`jnp.maximum(best, loss)` (a running maximum, its first operand the running value)
+    and `new_total = loss + total` (returned under its own name with a word for new) from a
+    weakly typed `jnp.asarray(0)`: carried promoted, as a `lax.scan` carries them (they
+    were broadcast, each step restarting from 0)."""
+    xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
+    start = (jnp.zeros(3), jnp.asarray(0))
+    step = autoflat.step(fn, num_steps=4)
+    got = step(*start, xs)
+    assert "state (matched by value to return position 1, weakly typed" in autoflat.show(step)
+    scan = jax.jit(lambda c, xs: jax.lax.scan(lambda c, x: (fn(*c, x), None), c, xs))
+    tree_allclose(got, scan(start, xs)[0])
+
+
+def test_a_weak_float32_leaf_given_back_as_bfloat16_is_promoted_state():
+    """A weakly typed float32 `ema` updated with a bfloat16 loss comes back bfloat16 under
+    `jax.jit` (a weak type takes the other operand's dtype); a `lax.scan` carry promotes so
+    too. Carried, equal to the `jax.jit` loop (it was refused, asking to cast it back to
+    float32, which would differ from it)."""
+    xs = jnp.arange(8.0).reshape(4, 2)
+    start = {"ema": jnp.asarray(0.1), "w": jnp.ones(2)}
+    state, losses = autoflat.step(_bf16_ema, num_steps=4)(dict(start), xs)
+    want, want_losses = start, []
+    for x in xs:
+        want, loss = jax.jit(_bf16_ema)(want, x)
+        want_losses.append(loss)
+    state = autoflat.unwrap(state)
+    assert state["ema"].dtype == want["ema"].dtype == jnp.bfloat16
+    tree_allclose((state, losses), (want, jnp.stack(want_losses)))
+
+
 def test_a_tuple_output_with_a_broadcast_dicts_leaf_shapes_is_not_refused():
     """A rollout step whose per-step `(reward, done)` has the leaf shapes of the policy's
     `{"w", "b"}` scalars: another kind of tree (a dict is not a tuple), so no refusal;
