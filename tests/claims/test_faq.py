@@ -895,6 +895,72 @@ def test_multi_tree_operations_with_a_handle_fail_with_a_message_that_says_what_
         assert "pass autoflat.unwrap(x) there, or decorate the step with lazy=False" in message
 
 
+def _adam_add(params, opt_state, x):
+    updates, opt_state = _tx_adam.update({"w": params["w"] * x}, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _dict_state(ts, x):
+    params, opt_state = _adam_add(ts["params"], ts["opt"], x)
+    return {"params": params, "opt": opt_state}
+
+
+@claim(
+    FAQ,
+    'Arrays such a walk gives out stay valid: `kept = jax.tree.leaves(params)` is copied before the next call donates the buffers, if you still hold it. Flax NNX\'s own functions write into a returned model through its handle as into the model (`nnx.update(model, state)`, an `nnx.jit` function that changes it), and the next call takes what they wrote. A state argument may hold handles that other steps returned (`step({"params": p, "opt": s}, ...)`): the call takes their objects, and they stay valid.',
+)
+def test_what_a_walk_gives_out_or_writes_and_handles_inside_state():
+    from flax import nnx
+
+    step = autoflat.step(_adam_add)
+    params = {"w": jnp.ones(2)}
+    p, s = step(params, _tx_adam.init(params), jnp.float32(2.0))
+    kept = jax.tree.leaves(p)
+    want = [np.array(a) for a in kept]
+    p, s = step(p, s, jnp.float32(2.0))
+    np.testing.assert_array_equal(np.asarray(kept[0]), want[0])
+    # NNX: nnx.update through the handle, taken by the next call
+    forward = autoflat.step(_nnx_forward)
+    model, _ = forward(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2))
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    model, out = forward(model, jnp.ones(2))
+    assert float(out) == 0.0 and float(jnp.abs(model.kernel[...]).sum()) == 0.0
+    # a dict of another step's handles as state, at four steps a call
+    dict_step = autoflat.step(_dict_state, num_steps=4)
+    xs = jnp.arange(1.0, 5.0)
+    got = dict_step({"params": p, "opt": s}, xs)
+    ref = {"params": autoflat.unwrap(p), "opt": autoflat.unwrap(s)}
+    for x in xs:
+        ref = jax.jit(_dict_state)(ref, x)
+    tree_allclose(autoflat.unwrap(got), ref, rtol=1e-6)
+    np.asarray(p["w"])  # still valid
+
+
+def _nnx_forward(model, x):
+    return model, model(x).sum()
+
+
+def _shifted(params, x):
+    params = {"w": params["w"] + x, "b": params["b"] - x}
+    return params
+
+
+@claim(
+    FAQ,
+    "and `tx.init` of an optimizer that pairs the parameters with a mask or labels (`optax.masked`, `optax.multi_transform`, `optax.adamw(..., mask=...)`)",
+)
+def test_tx_init_of_a_masked_optimizer_on_a_handle_says_what_to_do():
+    p = autoflat.step(_shifted)({"w": jnp.ones(2), "b": jnp.ones(2)}, jnp.ones(2))
+    for tx in (
+        optax.masked(optax.sgd(0.1), {"w": True, "b": False}),
+        optax.multi_transform({"a": optax.sgd(0.1), "b": optax.adam(0.1)}, {"w": "a", "b": "b"}),
+        optax.adamw(0.1, mask=lambda t: jax.tree.map(lambda a: a.ndim > 0, t)),
+    ):
+        with pytest.raises(ValueError, match="pass autoflat.unwrap"):
+            tx.init(p)
+        tx.init(autoflat.unwrap(p))
+
+
 @claim(
     FAQ,
     "A comparison of tree structures does not raise but answers that they differ: `eqx.tree_equal(handle, real_tree)` is `False` and `jax.tree.structure(handle) == jax.tree.structure(real_tree)` too, whatever the values.",

@@ -1543,7 +1543,7 @@ def test_the_first_call_evaluates_one_step_abstractly():
 
 @claim(
     PAGE,
-    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry, where more says the position is the new value: an addition whose first operand is its array (`(w, total + loss)` from `total = jnp.asarray(0)`), or a tree with named parts (a dict of episode counters) computed from it; a bare array only at its place.",
+    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry, where more says the position is the new value: an addition or a running maximum whose first operand is its array (`(w, total + loss)` from `total = jnp.asarray(0)`, `jnp.maximum(best, acc)`), a value computed from it returned under its name or its name with `new`/`next` (`new_total = loss + total`), or a tree with named parts (a dict of episode counters) computed from it; a bare array only at its place. A weakly typed float32 leaf given back as bfloat16 (`0.9 * ema + 0.1 * loss`, a bfloat16 loss) is promoted too, as under `jax.jit`.",
 )
 @claim(
     PAGE,
@@ -1562,6 +1562,29 @@ def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
     assert role_line(step, "carry").startswith("state (matched by value")
     want, want_losses = jax.lax.scan(body, start, xs)
     np.testing.assert_allclose(autoflat.unwrap(got)[1], want[1], rtol=1e-6)
+
+    def best_of(w, best, x):
+        acc = jnp.sum(x * w)
+        return w * 0.5, jnp.maximum(best, acc)
+
+    def renamed(w, total, x):
+        new_total = jnp.sum(x * w) + total
+        return w * 0.5, new_total
+
+    def bf16_ema(w, ema, x):
+        loss = jnp.sum(x * w).astype(jnp.bfloat16)
+        return w * 0.5, 0.9 * ema + 0.1 * loss
+
+    for fn, start in (
+        (best_of, jnp.asarray(0)),
+        (renamed, jnp.asarray(0)),
+        (bf16_ema, jnp.asarray(0.1)),
+    ):
+        step = autoflat.step(fn, num_steps=4)
+        got = step(jnp.ones(3), start, xs)
+        assert role_line(step, fn.__code__.co_varnames[1]).startswith("state (matched by value")
+        want = jax.lax.scan(lambda c, x, fn=fn: (fn(*c, x), None), (jnp.ones(3), start), xs)[0]
+        tree_allclose(got, want, rtol=1e-6)
 
     def bf16(params, lr, x):
         g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
