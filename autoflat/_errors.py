@@ -277,6 +277,17 @@ chunk. Say which it is:
 
     @autoflat.step(num_steps={num_steps}, per_step="{param}")    # sliced along the first axis
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")   # the same for every step
+{echo}"""
+
+# PER_STEP_AFTER_BROADCAST's third reading (`Roles.echoes`).
+PER_STEP_ECHO = """\
+
+Or it is what return position {pos} gives back, passed in again: that position could be \
+`{param}`'s new value (a running sum, `loss + {param}`), stacked as a per-step output since \
+`{param}` was read as broadcast. If each step's `{param}` is what position {pos} gave back \
+the step before, carry it (then pass back what the call returns there):
+
+    @autoflat.step(num_steps={num_steps}, state={{"{param}": {pos}}})
 """
 
 MIXED_ARGUMENT = """\

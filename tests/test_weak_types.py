@@ -509,6 +509,35 @@ def test_a_running_maximum_or_a_renamed_weak_total_is_promoted_state(fn):
     tree_allclose(got, scan(start, xs)[0])
 
 
+def _added_second(w, total, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.1 * x, loss + total, loss
+
+
+def test_stacked_outputs_passed_back_as_a_broadcast_argument_name_its_position():
+    """`loss + total` does not accumulate `total` by the rules (`loss + eps`), so a weakly
+    typed `total` is broadcast and position 1 stacked; passing those stacked values back as
+    `total` is the ShapeError for a broadcast argument gaining a leading axis, which also
+    names `state={"total": 1}`, the fix that carries it as a `jax.jit` loop does."""
+    xs = jnp.ones((8, 3)) * jnp.arange(8.0)[:, None]
+    step = autoflat.step(_added_second, num_steps=4)
+    w, total, _ = step(jnp.zeros(3), jnp.asarray(0), xs[:4])
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w, total, xs[4:])
+    assert (
+        "Or it is what return position 1 gives back, passed in again: that position could be "
+        "`total`'s new value" in str(info.value)
+    )
+    assert 'state={"total": 1})' in str(info.value)
+    fixed = autoflat.step(_added_second, num_steps=4, state={"total": 1})
+    w, total, _ = fixed(jnp.zeros(3), jnp.asarray(0), xs[:4])
+    w, total, _ = fixed(w, total, xs[4:])
+    want = (jnp.zeros(3), jnp.asarray(0))
+    for x in xs:
+        *want, _ = jax.jit(_added_second)(*want, x)
+    tree_allclose((w, total), tuple(want), rtol=1e-6)
+
+
 def test_a_weak_float32_leaf_given_back_as_bfloat16_is_promoted_state():
     """A weakly typed float32 `ema` updated with a bfloat16 loss comes back bfloat16 under
     `jax.jit` (a weak type takes the other operand's dtype); a `lax.scan` carry promotes so

@@ -703,6 +703,8 @@ class _Inference:
             keys=self.keys,
         )
         roles = assign_roles(self.analysis, self.options, call)
+        if self.num_steps > 1 and self.outputs:
+            roles = dataclasses.replace(roles, echoes=self._echoes(roles))
         if self.call.may_mutate:
             kinds = dict(zip(roles.params, roles.roles, strict=True))
             refuse_nested_modules(
@@ -714,6 +716,28 @@ class _Inference:
             self.first,
         )  # fmt: skip
         return Inferred(roles, to_array)
+
+    def _echoes(self, roles: Roles) -> tuple[tuple[str, int], ...]:
+        """`Roles.echoes`: each argument broadcast by its shapes and the first per-step output
+        position whose one-step value could be its new value (promoted as `lax.scan` would)."""
+        outputs, entries = self.outputs or [], roles.layout.entries
+        found = []
+        for p, role, rule in zip(roles.params, roles.roles, roles.rules, strict=True):
+            if role != "broadcast" or rule != "no-leading-axis" or p not in self.values:
+                continue
+            pos = next(
+                (
+                    q
+                    for q, out in enumerate(outputs)
+                    if q < len(entries)
+                    and entries[q][0] == "out"
+                    and same_value(self.values[p], out, promote=True)
+                ),
+                None,
+            )
+            if pos is not None:
+                found.append((p, pos))
+        return tuple(found)
 
 
 def _has_arrays(value: Any) -> bool:

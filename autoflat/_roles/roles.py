@@ -68,6 +68,10 @@ class Roles:
     reasons: tuple[str, ...]
     rules: tuple[str, ...]
     layout: Layout
+    # Broadcast arguments read so by their shapes that a per-step output could be the new
+    # value of (a weakly typed `total` beside `loss + total`), with that return position:
+    # named if a later call passes the stacked outputs back there (`PER_STEP_AFTER_BROADCAST`).
+    echoes: tuple[tuple[str, int], ...] = ()
 
     def of(self, role: Role) -> tuple[str, ...]:
         return tuple(p for p, r in zip(self.params, self.roles, strict=True) if r == role)

@@ -28,6 +28,7 @@ from .. import _jax
 from .._errors import (
     BAD_SCAN_LENGTH,
     PER_STEP_AFTER_BROADCAST,
+    PER_STEP_ECHO,
     STRUCTURE_BROADCAST,
     STRUCTURE_BROADCAST_LONGER,
     STRUCTURE_BROADCAST_SHORTER,
@@ -241,7 +242,17 @@ def refuse_per_step_arrays(spec: Any, leaves: tuple[list[Any], ...]) -> None:
                 first=reasons[p].removesuffix(" at the first call"),
                 shape=f"{per_step[0].dtype}{list(np.shape(per_step[0]))}",
                 num_steps=k,
+                echo=_echo(p, dict(program.roles.echoes), k),
             )
+
+
+def _echo(param: str, echoes: dict[str, int], k: int) -> str:
+    """PER_STEP_AFTER_BROADCAST's third reading, where a per-step output could be the new
+    value of `param` (`Roles.echoes`): those outputs, stacked, passed back in."""
+    pos = echoes.get(param)
+    if pos is None:
+        return ""
+    return PER_STEP_ECHO.format(param=param, pos=pos, num_steps=k)
 
 
 def _input_name(names: tuple[str, ...], path: tuple[Any, ...]) -> str:
