@@ -593,7 +593,7 @@ If `{arg}` is a first chunk of {axis} steps, say so with `per_step="{arg}"`, or 
 chunk of {num_steps} (shorter chunks are fine after it)."""
 
 STRUCTURE_RETURNED_PER_STEP = """\
-Keep them fixed.
+Keep them fixed, or use num_steps=1, where the structure may change between calls.
 
 `{arg}` is carried as state because the step returns it by name [rule: returned-by-name], \
 and every array in it has a leading axis of num_steps={num_steps}: each step saw the whole \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import equinox as eqx
@@ -367,6 +368,32 @@ def test_walking_a_mutable_handle_reads_a_copy_and_keeps_it_unbuilt():
     assert [k for k, _ in _paths(p)] == ["['b']", "['w']"]
     assert type(jax.tree.map(lambda x: x + 1, p)) is dict
     assert len(jax.tree.leaves(p, is_leaf=lambda x: isinstance(x, dict))) == 1
+    step(p, jnp.ones(2))
+    after = autoflat.stats(step)
+    assert after.rebuilds == before.rebuilds == 0
+    assert after.fast_path == before.fast_path + 1 and after.copies == before.copies
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Params:  # mutable, registered with JAX
+    w: jax.Array
+    b: jax.Array
+
+
+def test_walking_a_handle_of_a_mutable_dataclass_keeps_it_unbuilt():
+    """Only a Flax NNX object, whose Variables NNX writes in place through a walk, is rebuilt
+    for one; a mutable dataclass walked for a log line stays unbuilt, on the fast path."""
+
+    @autoflat.step
+    def step(params, x):
+        return _Params(params.w + x, params.b * 2)
+
+    p = step(_Params(jnp.zeros(2), jnp.ones(1)), jnp.ones(2))
+    before = autoflat.stats(step)
+    norms = jax.tree.map(jnp.linalg.norm, p)
+    assert float(norms.w) == pytest.approx(np.sqrt(2.0))
+    del norms
     step(p, jnp.ones(2))
     after = autoflat.stats(step)
     assert after.rebuilds == before.rebuilds == 0

@@ -137,6 +137,12 @@ def _normalised(w, x):
     return w, x
 
 
+def _halved_count(w, count, x):
+    w = w - 0.1 * x.sum(0)
+    count = count / 2
+    return w, count
+
+
 def test_a_state_change_from_a_per_step_input_returned_by_name_names_it():
     # `x` is returned by name after the body rebinds it: state by rule 2, carried whole, so
     # `x.sum(0)` is (5, 3) and `w` changes shape. The message names `x`, not only `w`.
@@ -149,6 +155,12 @@ def test_a_state_change_from_a_per_step_input_returned_by_name_names_it():
         "chunk. If `x` is a per-step input whose new value the step returns each step, say so "
         '(its returned values are then stacked):\n\n    @autoflat.step(..., per_step="x")\n'
     )
+    # Only where a shape changed: a counter made float (`count / 2`) beside a (4, 3) weight
+    # returned by name at num_steps=4 is not blamed on the weight.
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_halved_count, num_steps=4)(jnp.ones((4, 3)), jnp.ones((), jnp.int32), xs)
+    assert "count: array int32[] became array float32[]" in str(info.value)
+    assert "per_step=" not in str(info.value)
     # The fix it names: equal to the jax.jit loop.
     w, outs = jnp.ones(3), []
     for x in xs:

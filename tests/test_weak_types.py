@@ -478,11 +478,6 @@ def test_a_bare_weak_total_added_to_at_its_place_is_promoted_state():
         tree_allclose((w, outs), (want_w, jnp.stack(want)))
 
 
-def _running_max(w, best, x):
-    loss = jnp.sum((w * x - 1.0) ** 2)
-    return w - 0.1 * x, jnp.maximum(best, loss)
-
-
 def _renamed_total(w, total, x):
     loss = jnp.sum((w * x - 1.0) ** 2)
     new_total = loss + total
@@ -494,12 +489,11 @@ def _bf16_ema(state, x):
     return {"ema": 0.9 * state["ema"] + 0.1 * loss, "w": state["w"] * 0.5}, loss
 
 
-@pytest.mark.parametrize("fn", [_running_max, _renamed_total])
-def test_a_running_maximum_or_a_renamed_weak_total_is_promoted_state(fn):
-    """`jnp.maximum(best, loss)` (a running maximum, its first operand the running value)
-    and `new_total = loss + total` (returned under its own name with a word for new) from a
-    weakly typed `jnp.asarray(0)`: carried promoted, as a `lax.scan` carries them (they
-    were broadcast, each step restarting from 0)."""
+def test_a_renamed_weak_total_is_promoted_state():
+    """`new_total = loss + total` (returned under its own name with a word for new) from a
+    weakly typed `jnp.asarray(0)`: carried promoted, as a `lax.scan` carries it (it was
+    broadcast, each step restarting from 0)."""
+    fn = _renamed_total
     xs = jnp.ones((4, 3)) * jnp.arange(4.0)[:, None]
     start = (jnp.zeros(3), jnp.asarray(0))
     step = autoflat.step(fn, num_steps=4)
@@ -514,27 +508,34 @@ def _added_second(w, total, x):
     return w - 0.1 * x, loss + total, loss
 
 
-def test_stacked_outputs_passed_back_as_a_broadcast_argument_name_its_position():
-    """`loss + total` does not accumulate `total` by the rules (`loss + eps`), so a weakly
-    typed `total` is broadcast and position 1 stacked; passing those stacked values back as
-    `total` is the ShapeError for a broadcast argument gaining a leading axis, which also
-    names `state={"total": 1}`, the fix that carries it as a `jax.jit` loop does."""
+def _max_second(w, best, x):
+    loss = jnp.sum((w * x - 1.0) ** 2)
+    return w - 0.1 * x, jnp.maximum(best, loss), loss
+
+
+@pytest.mark.parametrize(("fn", "name"), [(_added_second, "total"), (_max_second, "best")])
+def test_stacked_outputs_passed_back_as_a_broadcast_argument_name_its_position(fn, name):
+    """`loss + total` does not accumulate `total` by the rules (`loss + eps`), nor does
+    `jnp.maximum(best, loss)` keep a running maximum (`jnp.maximum(floor, loss)` is a clamp),
+    so a weakly typed `total` or `best` is broadcast and position 1 stacked; passing those
+    stacked values back is the ShapeError for a broadcast argument gaining a leading axis,
+    which also names `state={name: 1}`, the fix that carries it as a `jax.jit` loop does."""
     xs = jnp.ones((8, 3)) * jnp.arange(8.0)[:, None]
-    step = autoflat.step(_added_second, num_steps=4)
+    step = autoflat.step(fn, num_steps=4)
     w, total, _ = step(jnp.zeros(3), jnp.asarray(0), xs[:4])
     with pytest.raises(autoflat.ShapeError) as info:
         step(w, total, xs[4:])
     assert (
         "Or it is what return position 1 gives back, passed in again: that position could be "
-        "`total`'s new value" in str(info.value)
+        f"`{name}`'s new value" in str(info.value)
     )
-    assert 'state={"total": 1})' in str(info.value)
-    fixed = autoflat.step(_added_second, num_steps=4, state={"total": 1})
+    assert f'state={{"{name}": 1}})' in str(info.value)
+    fixed = autoflat.step(fn, num_steps=4, state={name: 1})
     w, total, _ = fixed(jnp.zeros(3), jnp.asarray(0), xs[:4])
     w, total, _ = fixed(w, total, xs[4:])
     want = (jnp.zeros(3), jnp.asarray(0))
     for x in xs:
-        *want, _ = jax.jit(_added_second)(*want, x)
+        *want, _ = jax.jit(fn)(*want, x)
     tree_allclose((w, total), tuple(want), rtol=1e-6)
 
 

@@ -350,8 +350,8 @@ class Visitor(cst.CSTVisitor):
 
     def _into_own_kwargs(self, table: str, chain: cst.BaseExpression) -> bool:
         """A write into the dict Python builds for `**kwargs` itself, not into a value in it
-        (`kw["x"] = ...`, `kw.pop("rng")`, `kw |= {...}`): the call's own dict, which the
-        caller never holds (as under `jax.jit`, nothing to write back)."""
+        (`kw["x"] = ...`, `kw.pop("rng")`; `kw |= {...}` in `visit_AugAssign`): the call's own
+        dict, which the caller never holds (as under `jax.jit`, nothing to write back)."""
         if table == "assigned" and isinstance(chain, cst.Subscript):
             chain = chain.value
         return isinstance(chain, cst.Name) and self._is_star_kwarg(chain)
@@ -485,7 +485,8 @@ class Visitor(cst.CSTVisitor):
             # the target as a binding only, not a read of the parameter).
             param = node.target.value
             op = cst.Module([]).code_for_node(node.operator).strip()
-            if not self._into_own_kwargs("in_place", node.target):
+            star = self.star_kwarg
+            if star is None or star.name.value != param:  # (`kwargs |= {...}`: its own dict)
                 self._note("in_place", param, f"{param} {op} ...", self._line(node))
 
     def _rebinds_parameter(self, name: cst.Name) -> bool:

@@ -388,7 +388,7 @@ def _promoted(a: Any, b: Any) -> bool:
     # A weakly typed value promotes as the Python number of its kind does (`result_type`
     # does not read a ShapeDtypeStruct's weak type): a weak float32 with bfloat16 gives
     # bfloat16, as `0.9 * ema + 0.1 * loss` does under `jax.jit`.
-    number = _PYTHON_KINDS.get(np.dtype(dtype_a).kind) if _plain_dtype(dtype_a) else None
+    number = _python_kind(dtype_a) if _plain_dtype(dtype_a) else None
     if number is None:
         return False  # (a PRNG key's dtype takes no part in type promotion)
     try:
@@ -398,7 +398,40 @@ def _promoted(a: Any, b: Any) -> bool:
     return bool(promoted == dtype_b)
 
 
-_PYTHON_KINDS = {"b": bool, "i": int, "u": int, "f": float, "c": complex}
+def _python_kind(dtype: Any) -> type | None:
+    """The Python number type a weakly typed value of `dtype` promotes as."""
+    for kind, number in _PYTHON_KINDS:
+        if jax.numpy.issubdtype(dtype, kind):
+            return number
+    return None
+
+
+_PYTHON_KINDS = (
+    (jax.numpy.bool_, bool),
+    (jax.numpy.integer, int),
+    (jax.numpy.floating, float),
+    (jax.numpy.complexfloating, complex),
+)
+
+
+def narrowed(arg: Any, out: Any) -> bool:
+    """Whether a weakly typed float leaf of `arg` comes back in `out` (the same tree) as a
+    narrower float (float32 as bfloat16): promoted so under `jax.jit`, and weaker evidence
+    of being `arg`'s new value than a widening (int to float)."""
+    (_, s1), (_, s2) = _signature(arg), _signature(out)
+    return any(
+        isinstance(a, tuple)
+        and isinstance(b, tuple)
+        and isinstance(a[0], tuple)  # (shape, dtype), not ("static", value)
+        and isinstance(b[0], tuple)
+        and a != b
+        and _plain_dtype(a[1])
+        and _plain_dtype(b[1])
+        and jax.numpy.issubdtype(a[1], jax.numpy.floating)
+        and jax.numpy.issubdtype(b[1], jax.numpy.floating)
+        and np.dtype(b[1]).itemsize < np.dtype(a[1]).itemsize
+        for a, b in zip(s1, s2, strict=True)
+    )
 
 
 def _plain_dtype(dtype: Any) -> bool:

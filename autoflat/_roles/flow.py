@@ -55,8 +55,9 @@ class Flow(NamedTuple):
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
-# `flows(additions=True)`): a sum, and a running maximum or minimum (`jnp.maximum(best, acc)`).
-ADDITIONS = frozenset({"add", "sub", "add_any", "max", "min"})
+# `flows(additions=True)`). Not a maximum: `jnp.maximum(best, acc)` is a running maximum, but
+# `jnp.maximum(floor, loss)` a clamp.
+ADDITIONS = frozenset({"add", "sub", "add_any"})
 SUMS = frozenset({"add", "add_any"})  # (away from a number's place: `target - ent` is no sum)
 
 

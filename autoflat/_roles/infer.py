@@ -62,7 +62,7 @@ from .._errors import (
 from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import SCALARS, eval_one_step, positions_of, same_value
+from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
 from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_array_per_step_returned,
@@ -613,7 +613,7 @@ class _Inference:
                     pos in left
                     and not same_value(value, outputs[pos])
                     and same_value(value, outputs[pos], promote=True)
-                    and self._new_value_of(p, pos)
+                    and self._new_value_of(p, pos, narrowed(value, outputs[pos]))
                 ):
                     self.matched[p] = (
                         pos,
@@ -623,13 +623,15 @@ class _Inference:
                     left.remove(pos)
                     break
 
-    def _new_value_of(self, p: str, pos: int) -> bool:
+    def _new_value_of(self, p: str, pos: int, additions_only: bool = False) -> bool:
         """Evidence beyond its value that return position `pos` is `p`'s new value: made by
-        an addition or a running maximum whose first operand is `p`'s own array (`p - lr *
-        g`, `total + loss`, `jnp.maximum(best, acc)`), returned under `p`'s own name or it
-        with a word for new (`new_total`) and computed from `p`, or a tree with named parts
-        (a dict, a named tuple, a dataclass) computed from `p` (a dict of counters updated by
-        `(n + r) * (1 - done)`)."""
+        an addition whose first operand is `p`'s own array (`p - lr * g`, `total + loss`,
+        `0.9 * ema + 0.1 * loss`); unless `additions_only` (a weakly typed float given back
+        in a narrower float, `jax.jit`'s bfloat16 from a float32 `ema`: loss weights `{"ce":
+        1.0}` beside a bfloat16 model's loss parts look alike), also returned under `p`'s
+        own name or it with a word for new (`new_total`) and computed from `p`, or a tree
+        with named parts (a dict, a named tuple, a dataclass) computed from `p` (a dict of
+        counters updated by `(n + r) * (1 - done)`)."""
         first = self.first
         assert first is not None
         if self._added is None:
@@ -639,6 +641,8 @@ class _Inference:
             )  # fmt: skip
         if any(p in takes for takes in self._added[pos].takes):
             return True
+        if additions_only:
+            return False
         if first.kind == "tuple" and _matching.renamed(p, pos, first.names):
             return p in self._flow_of(first)()[pos].sources  # (`new_total = loss + total`)
         return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos].sources

@@ -157,7 +157,7 @@ def _changed(
 ) -> None:
     param = spec.program.roles.state[index]
     advice = _read_as_broadcast(spec, old_arrays, new_arrays)
-    if advice is None and carry is not None:
+    if advice is None and carry is not None and _reshaped(old_arrays, new_arrays):
         advice = _returned_per_step(spec, carry)
     if advice is None:
         advice = STRUCTURE_SCALAR if _structure.static_changed(old, new) else STRUCTURE_FIXED
@@ -202,6 +202,14 @@ def _read_as_broadcast(spec: Any, old_arrays: Any, new_arrays: Any) -> str | Non
             fields = {"arg": p, "axis": axis, "num_steps": k}
             return STRUCTURE_BROADCAST.format(fix=fix.format(**fields), **fields)
     return None
+
+
+def _reshaped(old_arrays: Any, new_arrays: Any) -> bool:
+    """Whether a leaf of the state changed its shape (not only its dtype)."""
+    return old_arrays is not None and any(
+        tuple(np.shape(a)) != tuple(np.shape(b))
+        for a, b in zip(old_arrays, new_arrays, strict=True)
+    )
 
 
 def _returned_per_step(spec: Any, carry: Any) -> str | None:

@@ -10,7 +10,6 @@ says how two structures differ.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import sys
 import threading
@@ -116,10 +115,9 @@ class Structure:
 
     @property
     def plain(self) -> bool:
-        """Whether every node of a value of this structure that can change in place is a
-        plain dict or list: then a copy of it is as good as the value for a traversal that
-        only reads (no object whose fields another library writes in place, such as a Flax
-        NNX module's Variables)."""
+        """Whether a copy of a value of this structure is as good as the value for a walk:
+        no node is a Flax NNX object or Variable, which NNX's functions (`nnx.update`, an
+        `nnx.jit` function) write into in place through a walk."""
         if self._plain is None:
             self._plain = _treedef_plain(self.treedef)
         return self._plain
@@ -138,14 +136,23 @@ def _type_immutable(t: type) -> bool:
     return eqx is not None and issubclass(t, eqx.Module)
 
 
-_PLAIN_MUTABLE = (dict, list, collections.OrderedDict, collections.defaultdict)
-
-
 def _treedef_plain(treedef: Any) -> bool:
     data = treedef.node_data()
-    if data is not None and not (data[0] in _PLAIN_MUTABLE or _type_immutable(data[0])):
+    if data is not None and _written_by_nnx(data[0]):
         return False
     return all(_treedef_plain(c) for c in treedef.children())
+
+
+def _written_by_nnx(t: type) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return False
+    kinds = tuple(
+        k
+        for k in (getattr(nnx, n, None) for n in ("Pytree", "Object", "Variable"))
+        if isinstance(k, type)
+    )
+    return bool(kinds) and issubclass(t, kinds)
 
 
 def _treedef_immutable(treedef: Any) -> bool:

@@ -1543,7 +1543,7 @@ def test_the_first_call_evaluates_one_step_abstractly():
 
 @claim(
     PAGE,
-    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry, where more says the position is the new value: an addition or a running maximum whose first operand is its array (`(w, total + loss)` from `total = jnp.asarray(0)`, `jnp.maximum(best, acc)`), a value computed from it returned under its name or its name with `new`/`next` (`new_total = loss + total`), or a tree with named parts (a dict of episode counters) computed from it; a bare array only at its place. A weakly typed float32 leaf given back as bfloat16 (`0.9 * ema + 0.1 * loss`, a bfloat16 loss) is promoted too, as under `jax.jit`.",
+    "a weakly typed leaf (made from a Python number) also where the step gives it back promoted, as `lax.scan` promotes a carry, where more says the position is the new value: an addition whose first operand is its array (`(w, total + loss)` from `total = jnp.asarray(0)`), a value computed from it returned under its name or its name with `new`/`next` (`new_total = loss + total`), or a tree with named parts (a dict of episode counters) computed from it; a bare array only at its place. A weakly typed float32 leaf given back as bfloat16 is promoted too, as under `jax.jit`, where an addition whose first operand is its array makes it (`0.9 * ema + 0.1 * loss`, a bfloat16 loss).",
 )
 @claim(
     PAGE,
@@ -1563,10 +1563,6 @@ def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
     want, want_losses = jax.lax.scan(body, start, xs)
     np.testing.assert_allclose(autoflat.unwrap(got)[1], want[1], rtol=1e-6)
 
-    def best_of(w, best, x):
-        acc = jnp.sum(x * w)
-        return w * 0.5, jnp.maximum(best, acc)
-
     def renamed(w, total, x):
         new_total = jnp.sum(x * w) + total
         return w * 0.5, new_total
@@ -1575,11 +1571,7 @@ def test_a_weak_leaf_matches_promoted_and_another_dtype_is_refused():
         loss = jnp.sum(x * w).astype(jnp.bfloat16)
         return w * 0.5, 0.9 * ema + 0.1 * loss
 
-    for fn, start in (
-        (best_of, jnp.asarray(0)),
-        (renamed, jnp.asarray(0)),
-        (bf16_ema, jnp.asarray(0.1)),
-    ):
+    for fn, start in ((renamed, jnp.asarray(0)), (bf16_ema, jnp.asarray(0.1))):
         step = autoflat.step(fn, num_steps=4)
         got = step(jnp.ones(3), start, xs)
         assert role_line(step, fn.__code__.co_varnames[1]).startswith("state (matched by value")
@@ -3080,6 +3072,13 @@ def _popping(params, x, **kwargs):
     return params - 0.1 * g, loss
 
 
+def _merged_kwargs(w, x, **kwargs):
+    kwargs |= {"scale": kwargs["scale"] * 2}
+    kwargs["scale"] *= 0.5
+    g = jax.grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+    return w - kwargs["scale"] * g
+
+
 def _into_a_value(w, x, **kwargs):
     kwargs["stats"]["n"] = kwargs["stats"]["n"] + 1.0
     return w * 0.5 + x.sum(), w.sum()
@@ -3087,7 +3086,7 @@ def _into_a_value(w, x, **kwargs):
 
 @claim(
     PAGE,
-    'The dict `**kwargs` holds is the call\'s own, as under `jax.jit`: writes into it (`kwargs["noise"] = ...`, `rng = kwargs.pop("rng")`, `kwargs.setdefault(...)`) stay inside the step and give it no role (a write into a value it holds, `kwargs["stats"]["n"] = ...`, is a write into the caller\'s object, rule 5).',
+    'The dict `**kwargs` holds is the call\'s own, as under `jax.jit`: writes into it (`kwargs["noise"] = ...`, `rng = kwargs.pop("rng")`, `kwargs.setdefault(...)`, `kwargs |= {...}`) stay inside the step and give it no role (a write into a value it holds, `kwargs["stats"]["n"] = ...`, is a write into the caller\'s object, rule 5).',
 )
 def test_writes_into_the_kwargs_dict_stay_in_the_step():
     xs, keys = data(8, 5, 3), jax.random.split(jax.random.PRNGKey(0), 8)
@@ -3110,6 +3109,13 @@ def test_writes_into_the_kwargs_dict_stay_in_the_step():
         rtol=1e-6,
     )
     assert role_line(one, "**kwargs").startswith("scanned (per-step input)")
+    # `kwargs |= {...}` and `kwargs["k"] *= ...` too
+    merged = autoflat.step(_merged_kwargs, num_steps=K)
+    want = jnp.zeros(3)
+    for x in xs[:K]:
+        want = jax.jit(_merged_kwargs)(want, x, scale=jnp.float32(0.05))
+    tree_allclose(merged(jnp.zeros(3), xs[:K], scale=jnp.float32(0.05)), want, rtol=1e-5)
+    assert role_line(merged, "**kwargs").startswith("broadcast")
     # A value inside it is the caller's: assigned into, state.
     inner = autoflat.step(_into_a_value)
     inner(jnp.ones(3), data(1, 3)[0], stats={"n": jnp.float32(0.0)})
