@@ -4,8 +4,9 @@
 Hypothesis draws the state's tree (nested dicts, lists, tuples, NamedTuples, `None`), its
 leaves' dtypes (f32, bf16, i32, bool, PRNG keys) and shapes (0-size included), whether a
 per-step input and a broadcast argument are passed, `num_steps`, a final chunk, `donate`,
-`pack` and `lazy`. Each example compiles a few programs, so the default run draws few
-examples; the slow suite draws more (`AUTOFLAT_HYPOTHESIS_EXAMPLES`).
+`pack` and `lazy`. Each example compiles a few programs, so the default run draws 8
+examples; the slow suite draws 40 more with another seed (`AUTOFLAT_HYPOTHESIS_EXAMPLES` sets
+both counts).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import autoflat
 hypothesis = pytest.importorskip("hypothesis")
 st = pytest.importorskip("hypothesis.strategies")
 
-_EXAMPLES = int(os.environ.get("AUTOFLAT_HYPOTHESIS_EXAMPLES", "12"))
+_EXAMPLES = int(os.environ.get("AUTOFLAT_HYPOTHESIS_EXAMPLES", "8"))
+_SLOW_EXAMPLES = int(os.environ.get("AUTOFLAT_HYPOTHESIS_EXAMPLES", "40"))
 _DTYPES = ("float32", "bfloat16", "int32", "bool", "key")
 
 
@@ -91,13 +93,16 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda a: a.copy() if hasattr(a, "copy") else a, tree)
 
 
-@hypothesis.settings(
-    max_examples=_EXAMPLES,
-    deadline=None,
-    suppress_health_check=list(hypothesis.HealthCheck),
-    derandomize=True,
-)
-@hypothesis.given(
+def _settings(examples: int) -> Any:
+    return hypothesis.settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        derandomize=True,
+    )
+
+
+_GIVEN = hypothesis.given(
     state=_trees(_leaf()),
     k=st.integers(1, 3),
     n=st.integers(1, 5),
@@ -105,7 +110,22 @@ def _copy(tree: Any) -> Any:
     pack=st.sampled_from([False, True, "auto"]),
     lazy=st.booleans(),
 )
+
+
+@_settings(_EXAMPLES)
+@_GIVEN
 def test_random_pytrees_roles_and_options_equal_jax_jit(state, k, n, donate, pack, lazy):
+    _equal_jax_jit(state, k, n, donate, pack, lazy)
+
+
+@pytest.mark.slow
+@_settings(_SLOW_EXAMPLES)
+@_GIVEN
+def test_more_random_pytrees_equal_jax_jit(state, k, n, donate, pack, lazy):
+    _equal_jax_jit(state, k, n, donate, pack, lazy)
+
+
+def _equal_jax_jit(state: Any, k: int, n: int, donate: bool, pack: Any, lazy: bool) -> None:
     hypothesis.assume(jax.tree.leaves(state))  # state with no arrays is returned as it is
     xs = jnp.arange(n * 2, dtype=jnp.float32).reshape(n, 2) / 7
     scale = jnp.float32(0.25)  # broadcast: no leading axis of num_steps

@@ -189,8 +189,17 @@ def _jit_loop(jitted_reset: bool) -> tuple[Any, list[Any], int]:
     return r, metrics, len(ref_traces)
 
 
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("jitted_reset", [True, False])
+# (pack, jitted_reset): a state from a jitted reset (gymnax's) with either transport; from an
+# eager reset, packed (`pack=False` there in the slow session).
+_RL_CASES = [
+    (False, True),
+    (True, True),
+    (True, False),
+    pytest.param(False, False, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("pack", "jitted_reset"), _RL_CASES)
 def test_rl_state_with_weakly_typed_counters_at_one_step_a_call(pack, jitted_reset):
     start = _runner_state(jitted_reset)
     if jitted_reset:
@@ -231,8 +240,7 @@ def _scanned_loops(jitted_reset: bool, k: int) -> tuple[Any, list[Any], int, Any
     return s, metrics, len(scanned_traces), p, p_metric
 
 
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("jitted_reset", [True, False])
+@pytest.mark.parametrize(("pack", "jitted_reset"), _RL_CASES)
 def test_rl_state_with_weakly_typed_counters_at_four_steps_a_call(pack, jitted_reset):
     k = 4
     start = _runner_state(jitted_reset)
