@@ -3035,6 +3035,25 @@ def test_logging_from_a_handle_every_call_copies_the_state_every_call():
 
 @claim(
     FAQ,
+    "A walk of a returned Flax NNX model (`nnx.state(model)`, `jax.tree.map(f, model)`, an `nnx.jit` function taking it) rebuilds it too, since NNX may write into it.",
+)
+def test_walking_a_returned_nnx_model_rebuilds_it():
+    from flax import nnx
+
+    step = autoflat.step(_nnx_forward)
+    model, _ = step(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones(2))
+    peek = nnx.jit(lambda m: m.kernel[...].sum())
+    for walk in (lambda m: nnx.state(m), lambda m: jax.tree.map(jnp.sum, m), peek):
+        before = autoflat.stats(step)
+        walk(model)
+        model, _ = step(model, jnp.ones(2))
+        after = autoflat.stats(step)
+        assert after.rebuilds == before.rebuilds + 1
+        assert after.flattens == before.flattens + 1  # read afresh: NNX may have written
+
+
+@claim(
+    FAQ,
     "when it also writes back into your objects (mutation style), the call waits for it first, so the failure raises from the call and your objects keep their values",
 )
 def test_a_failure_seen_only_when_waited_for_leaves_written_objects_intact(monkeypatch):
