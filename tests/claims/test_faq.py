@@ -1212,7 +1212,7 @@ def test_an_object_passed_back_under_lazy_false_is_used_up_but_kept_arrays_are_c
 
 @claim(
     FAQ,
-    'To avoid it, return what you log as an output of the step, or read it through a jitted function (`jax.jit(lambda s: s.hyperparams["learning_rate"])(opt_state)`), which takes the handle\'s arrays without rebuilding it.',
+    "To avoid it, return what you log as an output of the step, or read it through a jitted function (`jax.jit(lambda s: s.hyperparams[\"learning_rate\"])(opt_state)`), which takes the handle's arrays without rebuilding it (any handle but a Flax NNX model's).",
 )
 def test_reading_through_a_jitted_function_does_not_rebuild():
     step = autoflat.step(_fit_hyper)
