@@ -63,7 +63,7 @@ def _reference(m, w, xs, k):
     return w
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_freed_instances_of_a_method_step_are_not_kept(k):
     """Four instances of a class holding a large array, each called and deleted: all four
     stayed alive (a global table of structures, the spec cache and JAX's compile cache held

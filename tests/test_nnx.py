@@ -66,7 +66,7 @@ def _assert_same(objs, ref_objs):
             tree_allclose(nnx.state(a), nnx.state(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("k,n", [(1, 3), (3, 6), (4, 10)])
+@pytest.mark.parametrize("k,n", [(1, 3), pytest.param(3, 6, marks=pytest.mark.slow), (4, 10)])
 def test_mutation_style_train_step_equals_nnx_jit(k, n):
     xs, ys = _data(n)
     ref_objs = make()

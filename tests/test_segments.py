@@ -321,8 +321,18 @@ def make_update(tx):
     return update
 
 
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# Every optimizer at one step a call; at two (a scan over packed state) Adam and Adafactor,
+# the others in the slow suite.
+_OPTIMIZER_CASES = [
+    pytest.param(
+        name, k, marks=pytest.mark.slow if k == 2 and name not in ("adam", "adafactor") else ()
+    )
+    for name in OPTIMIZERS
+    for k in (1, 2)
+]
+
+
+@pytest.mark.parametrize(("name", "k"), _OPTIMIZER_CASES)
 def test_optimizers_over_packed_state_match_jax_jit(name, k):
     # Per-leaf work (LAMB's trust ratios, Adafactor's factored moments, multi_transform's
     # labels) stays per leaf; what every leaf does alike runs on the buffers.
