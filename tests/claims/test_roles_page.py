@@ -1225,7 +1225,7 @@ def _shifted(w, extra):
 
 @claim(
     PAGE,
-    "or it holds no array at all (a later call where it holds an array with that leading axis, in one more item or key or in another shape, is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`)",
+    "or it holds no array at all (a later call where it holds an array with that leading axis, in one more item or key or in another shape, is an `autoflat.ShapeError` that asks for `per_step=` or `broadcast=`, and for `state=` where a per-step output could be its new value: `loss + total`'s stacked values passed back as `total`)",
 )
 @claim(PAGE, "`broadcast (no arrays at the first call)`")
 def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step_ones():
@@ -1249,6 +1249,16 @@ def test_rule_12_an_argument_with_no_arrays_is_broadcast_until_it_holds_per_step
     # An array of another shape with that leading axis, in the same structure, too.
     with pytest.raises(autoflat.ShapeError, match="Now it holds float32\\[4, 3\\]"):
         step(w, (data(K, 3, seed=2),))
+    # A running sum's stacked values passed back: `state=` named too, and it works.
+    summed = autoflat.step(_loss_plus_total, num_steps=K)
+    w, total, _ = summed(jnp.ones(3), jnp.asarray(0), data(K, 3))
+    with pytest.raises(autoflat.ShapeError, match=r'state=\{"total": 1\}'):
+        summed(w, total, data(K, 3, seed=1))
+
+
+def _loss_plus_total(w, total, x):
+    loss = jnp.sum(x * w)
+    return w * 0.5, loss + total, loss
 
 
 # Row 13: as-passed
