@@ -105,7 +105,8 @@ def test_mlp_with_activation_fields(k, n):
     assert isinstance(m, eqx.nn.MLP) and m.activation is jax.nn.gelu
 
 
-@pytest.mark.parametrize("k,n", [(1, 2), (3, 7)])
+# (one step a call: the corpus's upstream `eqx_stateful`, BatchNorm state too; here slow)
+@pytest.mark.parametrize("k,n", [pytest.param(1, 2, marks=pytest.mark.slow), (3, 7)])
 def test_cnn_with_batchnorm_state(k, n):
     model, state = eqx.nn.make_with_state(CNN)(jax.random.key(0))
     opt_state = tx.init(eqx.filter(model, eqx.is_array))

@@ -190,16 +190,16 @@ def _jit_loop(jitted_reset: bool) -> tuple[Any, list[Any], int]:
 
 
 # (pack, jitted_reset): a state from a jitted reset (gymnax's) with either transport; from an
-# eager reset, packed (`pack=False` there in the slow session).
-_RL_CASES = [
-    (False, True),
-    (True, True),
-    (True, False),
-    pytest.param(False, False, marks=pytest.mark.slow),
-]
+# eager reset, packed at four steps a call (the rest of it in the slow session).
+_SLOW = pytest.mark.slow
+_RL_CASES = [(False, True), (True, True), (True, False), pytest.param(False, False, marks=_SLOW)]
 
 
-@pytest.mark.parametrize(("pack", "jitted_reset"), _RL_CASES)
+@pytest.mark.parametrize(
+    ("pack", "jitted_reset"),
+    [(False, True), (True, True), pytest.param(True, False, marks=_SLOW)]
+    + [pytest.param(False, False, marks=_SLOW)],
+)
 def test_rl_state_with_weakly_typed_counters_at_one_step_a_call(pack, jitted_reset):
     start = _runner_state(jitted_reset)
     if jitted_reset:
