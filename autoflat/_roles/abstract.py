@@ -454,7 +454,7 @@ def same_value(arg: Any, out: Any, promote: bool = False) -> bool:
     """Whether `out` could be the new value of `arg` as a `lax.scan` carry: the same tree
     structure, shapes and dtypes; with `promote`, also where a weakly typed leaf of `arg`
     (made from a Python number) comes back promoted (a counter `jnp.asarray(0)` summing
-    float32 rewards), as `lax.scan` promotes a carry (`_Inference._match_promoted` asks for
+    float32 rewards), as `lax.scan` promotes a carry (`Inference.match_promoted` asks for
     more evidence then)."""
     (t1, s1), (t2, s2) = _signature(arg), _signature(out)
     if t1 != t2:

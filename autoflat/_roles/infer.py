@@ -36,7 +36,9 @@ of the table (`rules`) read from the first call, and applies the table:
   step compiles once, as under `jax.jit`; scalars a step gives back unchanged stay static.
 
 The readings this inference will not choose between (mixed or short leading axes, per-step or
-state?) are errors raised by `hazards`.
+state?, returned state a `lax.scan` carry would get wrong) are errors raised by `hazards` and
+`state_hazards`: the ones the arguments show before any evaluation here, the rest by `checks`
+once state is matched.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ import jax
 from .._analysis.analysis import Analysis, Return
 from .._errors import (
     NNX_NOT_PYTREE,
-    STATE_NOT_MATCHED,
     STATE_POSITION,
     UNHASHABLE_STATIC,
     CallError,
@@ -63,17 +64,16 @@ from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
-from .flow import Flow, flows, flows_traced, scalar_container
+from .checks import check_matches, check_state_positions
+from .flow import Flow, flows, flows_traced
 from .hazards import (
-    check_array_per_step_returned,
-    check_per_step_returned,
     check_returned_as_it_came_per_step,
     check_written_per_step,
     leading_axis_error,
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
-from .nesting import looked_into, refuse_spread_flat, refuse_spread_state
+from .nesting import looked_into
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -88,15 +88,7 @@ from .rules import (
     returned_by_name,
 )
 from .scalars import accumulated, counters, scalars_to_array, settle_scalars
-from .state_hazards import (
-    check_state_at,
-    has_named_parts,
-    refuse_away_from_place,
-    refuse_changed_type,
-    refuse_nested_state,
-    refuse_passed_through,
-    refuse_unlinked,
-)
+from .state_hazards import has_named_parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,16 +115,18 @@ def infer(
 ) -> Inferred:
     """The roles of a call with these arguments (see the module doc), in named steps."""
     analysis = looked_into(analysis, dict(zip(analysis.param_names, args, strict=True)), num_steps)
-    run = _Inference(analysis, options, num_steps, fn, args, may_mutate)
+    run = Inference(analysis, options, num_steps, fn, args, may_mutate)
     run.refuse_arguments()
     run.roles_before_matching()
     run.state_positions()
     run.match_state()
-    run.check_matches()
+    check_state_positions(run)
+    run.match_promoted()
+    check_matches(run)
     return run.result()
 
 
-class _Inference:
+class Inference:
     """One first call's inference: what each step finds, for the steps after it."""
 
     def __init__(
@@ -185,7 +179,7 @@ class _Inference:
         self.outputs: list[Any] | None = None
         self.pending: list[str] = []
         self._added: list[Flow] | None = None  # additions
-        # `_flow_of`'s results (results only: a closure here would make a cycle holding `values`)
+        # `flow_of`'s results (results only: a closure here would make a cycle holding `values`)
         self._flows: dict[Return, list[Flow]] = {}
 
     def given_back(self, counters: bool = True) -> dict[str, int]:
@@ -386,7 +380,7 @@ class _Inference:
             # p, "log": p}`), the first it writes is the state (`matching.match`).
             items = [each.keys.index(k) for k in out] if each.keys else list(range(len(contents)))
             found, by_value = self._settle(each, contents, items, numbers)
-            direct = self._flow_of(each)() if by_value else []
+            direct = self.flow_of(each)() if by_value else []
             if any(p in direct[pos].direct for p, (pos, _) in by_value.items()):
                 counters, self.unpacked, self.first = found, len(contents), each
                 self.keys = each.keys
@@ -398,26 +392,7 @@ class _Inference:
         self.counters = counters
         self.outputs = outputs
 
-    def _refuse_spread_flat(self) -> None:
-        """`nesting.refuse_spread_flat`, over the written tuple's positions, or over the items
-        of the tuple one returned expression gives where nothing matched inside it
-        (`return _inner(*train_state, x, y)`)."""
-        first, outputs = self.first, self.outputs
-        given_back = {**self.returned_at, **self.given_back()}
-        assert first is not None and outputs
-        if first.kind == "single" and type(outputs[0]) is tuple and not given_back:
-            first = dataclasses.replace(
-                first, kind="tuple", names=(None,) * len(outputs[0]), gradients=()
-            )
-            outputs = list(outputs[0])
-        elif first.kind != "tuple" or first.nest is not None:
-            return
-        refuse_spread_flat(
-            self.analysis, self.values, self.pending, given_back, outputs, self.num_steps,
-            self._flow_of(first), first.names, items_of_one=first is not self.first,
-        )  # fmt: skip
-
-    def _carried(self) -> list[str]:
+    def carried(self) -> list[str]:
         """The parameters that could come back through a return, in order: not a method's
         instance, those named broadcast= or bound by a functools.partial, or state written
         back into the caller's objects (counted, a step's `(self, w, x)` put `w` at the second
@@ -433,7 +408,7 @@ class _Inference:
             and p not in self.mutable
         ]
 
-    def _flow_of(self, returned: Return) -> Callable[[], Any]:
+    def flow_of(self, returned: Return) -> Callable[[], Any]:
         """Per return position of `returned`, the parameters it is computed from and those
         the last operation making it takes (`flow.flows`), read once when first asked."""
 
@@ -456,7 +431,7 @@ class _Inference:
     ) -> tuple[dict[str, int], dict[str, tuple[int, str]]]:
         """Python counters first (they take a place among the parameters only if carried),
         then the candidates by value (`matching.match`)."""
-        params, values, carried = self.params, self.values, self._carried()
+        params, values, carried = self.params, self.values, self.carried()
         places = _matching.places([p for p in params if p in carried or p in numbers], returned)
         found = counters(
             self.analysis, self._traced(returned), self.num_steps, numbers, values, positions,
@@ -472,16 +447,16 @@ class _Inference:
         places = _matching.places([p for p in params if p in carried or p in found], returned)
         # Several parameters alike, as many positions: settled by data flow, then names.
         alike = functools.partial(
-            _matching.settle_alike, names=returned.names, flow=self._flow_of(returned)
+            _matching.settle_alike, names=returned.names, flow=self.flow_of(returned)
         )
         by_value = _matching.match(
             self.analysis, params, values, self.pending, left, outs, self.declared, places,
-            alike, self._flow_of(returned), returned.names, self._gradients(),
+            alike, self.flow_of(returned), returned.names, self.gradients(),
         )  # fmt: skip
         instance = self.options.instance
         if (
             instance in by_value
-            and instance not in self._flow_of(returned)()[by_value[instance][0]].direct
+            and instance not in self.flow_of(returned)()[by_value[instance][0]].direct
         ):
             # A method's instance only where some leaf is its own, or computed by an
             # operation taking its own arrays (`self.replace(w=self.w - g)`), not for
@@ -497,7 +472,7 @@ class _Inference:
             lambda o: positions_of(returned, o),
         )  # fmt: skip
 
-    def _gradients(self) -> dict[int, set[str]]:
+    def gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,
         grads` after `jax.value_and_grad(loss)(params, x)`): never their new value (at
         num_steps > 1, carrying them as params trained on the gradients). A previous gradient
@@ -508,8 +483,8 @@ class _Inference:
                 gradients.setdefault(pos, set()).update(at)
         return gradients
 
-    def _only_gradients(self) -> set[int]:
-        """The return positions where every `return` gives gradients (`_gradients`); none
+    def only_gradients(self) -> set[int]:
+        """The return positions where every `return` gives gradients (`gradients`); none
         where the positions are the items of one returned value."""
         if self.unpacked:
             return set()
@@ -517,81 +492,11 @@ class _Inference:
         held = [{pos for pos, _ in r.gradients} for r in returns]
         return set.intersection(*held) if held else set()
 
-    def check_matches(self) -> None:
-        """Refuse what matching leaves unsettled (`hazards`, `state_hazards`): a `state=`
-        position holding its parameter nested, state nested in an output, a per-step
-        argument given back, leading axes no rule settled, declared state nothing matched."""
-        analysis, values, num_steps, first = self.analysis, self.values, self.num_steps, self.first
-        if self.state_at:
-            check_state_at(analysis, values, self.state_at, positions_of(first, self.evaluate()))
-        self._match_promoted()
-        if num_steps > 1 and self.outputs and first is not None:
-            refuse_nested_state(
-                analysis, values, self.pending, self.given_back(counters=False),
-                self.open_positions, self.outputs, num_steps, self._flow_of(first),
-            )  # fmt: skip
-            refuse_spread_state(
-                analysis, values, self.pending, {**self.returned_at, **self.given_back()},
-                self.outputs, num_steps,
-            )  # fmt: skip
-            self._refuse_spread_flat()
-            per_step = frozenset(p for p, role in self.for_eval.items() if role == "scanned")
-            refuse_changed_type(
-                analysis, values, self.pending, self.given_back(counters=False),
-                self.open_positions, self.outputs, num_steps, self._new_value_of,
-                self._flow_of(first), per_step,
-            )  # fmt: skip
-            refuse_unlinked(
-                analysis, values, self.by_value, self.outputs, self._flow_of(first),
-                lambda p, pos: _matching.named_after(p, pos, first.names),
-                self._new_value_of, self._only_gradients(), num_steps, per_step,
-                per_step | frozenset(p for p in self.given_back() if _of_a_model(values[p])),
-            )  # fmt: skip
-        if first is not None and first.kind != "none":
-            carried = [p for p in self.params if p in self._carried()]
-            refuse_passed_through(
-                analysis, self.options, values, self.returned_at,
-                _matching.places(carried, first), num_steps,
-            )  # fmt: skip
-            if num_steps > 1 and self.outputs:
-                refuse_away_from_place(
-                    analysis, values, self.pending, self.given_back(counters=False),
-                    self.open_positions, self.outputs, self._flow_of(first),
-                    _matching.places(carried, first), first.names, self._gradients(), num_steps,
-                )  # fmt: skip
-        for p in self.counters:
-            self.for_eval[p] = "state"
-        given_back = self.given_back()
-        if num_steps > 1 and first is not None and first.kind != "none":
-            self.out = check_per_step_returned(
-                analysis, self.fn, self.params, values, self.kinds, self.for_eval, self.options,
-                given_back, self.open_positions, first, self.out, num_steps,
-            )  # fmt: skip
-            self._check_arrays_per_step(first, set(given_back.values()))
-        raise_leading_axis_errors(
-            analysis,
-            {p: k for p, k in self.kinds.items() if p not in given_back},
-            self.deferred,
-            values,
-            num_steps,
-            self.options,
-            None,
-        )
-        missing = sorted(p for p in self.declared if p not in given_back)
-        if missing:
-            raise error(
-                OptionError,
-                STATE_NOT_MATCHED,
-                analysis,
-                param=missing[0],
-                returns="; ".join(r.describe() for r in analysis.returns) or "no return",
-            )
-
-    def _match_promoted(self) -> None:
+    def match_promoted(self) -> None:
         """Rule 3 for a weakly typed leaf (made from a Python number) that the step gives
         back promoted (`total + loss` from `jnp.asarray(0)`, a dict of episode counters
         summing float32 rewards): matched, as `lax.scan` promotes such a carry, where the
-        position is that parameter's new value by more than its value (`_new_value_of`);
+        position is that parameter's new value by more than its value (`new_value_of`);
         a bare array only at its place. (A metrics tuple alike a weakly typed pair of clip
         bounds is not their new value.)"""
         first, outputs = self.first, self.outputs
@@ -600,7 +505,7 @@ class _Inference:
         given = self.given_back(counters=False)
         taken = set(given.values())
         left = [pos for pos in self.open_positions if pos not in taken]
-        carried = self._carried()
+        carried = self.carried()
         places = _matching.places([p for p in self.params if p in carried], first)
         for p in self.pending:
             value = self.values[p]
@@ -613,7 +518,7 @@ class _Inference:
                     pos in left
                     and not same_value(value, outputs[pos])
                     and same_value(value, outputs[pos], promote=True)
-                    and self._new_value_of(p, pos, narrowed(value, outputs[pos]))
+                    and self.new_value_of(p, pos, narrowed(value, outputs[pos]))
                 ):
                     self.matched[p] = (
                         pos,
@@ -623,7 +528,7 @@ class _Inference:
                     left.remove(pos)
                     break
 
-    def _new_value_of(self, p: str, pos: int, additions_only: bool = False) -> bool:
+    def new_value_of(self, p: str, pos: int, additions_only: bool = False) -> bool:
         """Evidence beyond its value that return position `pos` is `p`'s new value: made by
         an addition whose first operand is `p`'s own array (`p - lr * g`, `total + loss`,
         `0.9 * ema + 0.1 * loss`); unless `additions_only` (a weakly typed float given back
@@ -644,56 +549,8 @@ class _Inference:
         if additions_only:
             return False
         if first.kind == "tuple" and _matching.renamed(p, pos, first.names):
-            return p in self._flow_of(first)()[pos].sources  # (`new_total = loss + total`)
-        return has_named_parts(self.values[p]) and p in self._flow_of(first)()[pos].sources
-
-    def _check_arrays_per_step(self, first: Return, taken: set[int]) -> None:
-        """A bare array taken per-step by its leading axis (rule 10), whose place among the
-        parameters that could be state (counted as if it were one) is an open return
-        position, returned there under a name that shares a word with it (`v2`): refused
-        where both readings type-check (`hazards`). An expression there (`x + noise`) is a
-        per-step output of a per-step input, as the leading axis says."""
-        left = [pos for pos in self.open_positions if pos not in taken]
-        bare = [
-            p
-            for p in self.open
-            if self.kinds.get(p) == "scanned"
-            and is_array(self.values[p])
-            and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(self.values[p]))
-        ]
-        if not (left and bare):
-            return
-        carried = self._carried()
-        places = {}
-        for p in bare:
-            found = _matching.places(
-                [q for q in self.params if q in carried or q in self.counters or q == p], first
-            )
-            # Only under a name like its own (`v2`): read off the source before any evaluation.
-            if found.get(p) in left and _matching.named_after(p, found[p], first.names):
-                places[p] = found[p]
-        if not places:
-            return
-        try:
-            outputs = positions_of(first, self.evaluate())
-        except Exception:
-            return  # the step's own trace raises it again, with its line
-        if not outputs:
-            return
-
-        def whole(p: str) -> list[Any] | None:
-            try:
-                out = eval_one_step(
-                    self.fn, self.params, self.values, {**self.for_eval, p: "state"},
-                    self.num_steps,
-                )  # fmt: skip
-            except Exception:
-                return None  # carried whole, the step does not run: not state
-            return positions_of(first, out)
-
-        check_array_per_step_returned(
-            self.analysis, self.values, places, outputs, whole, self.num_steps
-        )
+            return p in self.flow_of(first)()[pos].sources  # (`new_total = loss + total`)
+        return has_named_parts(self.values[p]) and p in self.flow_of(first)()[pos].sources
 
     def result(self) -> Inferred:
         """The table applied with all the first call found, and the scalars made arrays."""
@@ -759,9 +616,3 @@ def _candidate(kind: Role | None, value: Any, num_steps: int) -> bool:
     if num_steps > 1:
         return kind == "broadcast"
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
-
-
-def _of_a_model(value: Any) -> bool:
-    """Whether state is more than scalars (a counter, a schedule's step, a tuple of them):
-    what a loss is computed from, with the batch (`state_hazards._weighs`)."""
-    return not (scalar_container(value) or (is_array(value) and value.shape == ()))

@@ -202,7 +202,7 @@ def refuse_changed_type(
 ) -> None:
     """A container argument left broadcast where an open return position has its leaf
     shapes, its tree (tuples and lists alike) and evidence of being its new value
-    (`evidence`: `_Inference._new_value_of`; for a container type changed, also every leaf
+    (`evidence`: `Inference.new_value_of`; for a container type changed, also every leaf
     computed from it or made from per-step arguments alone, one at least from it: an RNN's
     list carry `[h, c]` given back as `(h, c)`, `[h, prev_x]` as `(h, x)`), but another
     dtype (bfloat16 parameters updated with a float32 rate) or container type (a tuple of
