@@ -269,6 +269,20 @@ position {pos} stacks them (as given)
     @autoflat.step(num_steps={num_steps}, state="{param}")      # the whole array every step
 """
 
+REBOUND_PER_STEP = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` is returned by name (return \
+position {pos}), which makes it state, and the body binds it again from `{param}` alone \
+(nothing of the step's per-step inputs or other state: `{param} = {param} * 0.5 + 1`). But \
+every array of `{param}` has a leading axis of {num_steps}, as a per-step input has (a batch \
+transformed and returned to log it?). Carried as state, each step would see all {num_steps} \
+steps' values, transformed again every step. Say which it is:
+
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")   # each step its slice; \
+position {pos} stacks what each step made of it (as under jax.jit)
+    @autoflat.step(num_steps={num_steps}, state="{param}")      # state whose first axis is \
+{num_steps}
+"""
+
 PER_STEP_AFTER_BROADCAST = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` was taken as the same for \
 every step (broadcast) by its shapes at the first call ({first}). Now it holds {shape}, with \

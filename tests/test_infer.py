@@ -705,6 +705,59 @@ def test_a_per_step_input_returned_by_name_as_it_came_is_asked_about():
     np.testing.assert_allclose(x, jnp.full((4, 2), 3.0 + 1.5 + 0.75 + 0.375))
 
 
+def test_a_per_step_input_rebound_from_itself_alone_and_returned_is_asked_about():
+    """`x = x * 0.5 + 1.0; return w - 0.1 * g, x, loss` with `x` per-step at num_steps=4:
+    returned by name, `x` was state carried whole, so every step saw the whole chunk,
+    transformed again every step, silently (both readings type-check). Bound again from
+    itself alone, every array of leading axis num_steps: a ShapeError naming `per_step=` and
+    `state=`, and `per_step=` equals the `jax.jit` loop. State computed from the step's
+    per-step inputs or its other state (an RNN carry whose batch is num_steps, an ensemble
+    of num_steps members trained on the batch) is carried as before."""
+
+    def augmented(w, x):
+        x = x * 0.5 + 1.0
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x * w - 1.0) ** 2))(w)
+        return w - 0.1 * g, x, loss
+
+    w0, xs = jnp.ones(3), _batches(4, (3,))
+    with pytest.raises(autoflat.ShapeError) as e:
+        autoflat.step(augmented, num_steps=4)(w0, xs)
+    message = str(e.value)
+    assert "`x` is returned by name (return position 1), which makes it state, and the body " in (
+        message
+    )
+    assert 'per_step="x"' in message and 'state="x"' in message
+    got = autoflat.step(augmented, num_steps=4, per_step="x")(w0, xs)
+    want, outs = w0, []
+    for i in range(4):
+        want, *out = jax.jit(augmented)(want, xs[i])
+        outs.append(out)
+    tree_allclose(got, (want, *(jnp.stack(o) for o in zip(*outs, strict=True))), rtol=1e-6)
+
+    def rnn(wh, h, x):  # (a batch of 4 hidden states, 4 = num_steps)
+        h = jnp.tanh(h @ wh + x)
+        return wh * 0.99, h
+
+    def ensemble(ws, x, y):  # (4 members, 4 = num_steps)
+        g = jax.grad(lambda ws: jnp.mean((ws @ x - y) ** 2))(ws)
+        ws = ws - 0.1 * g
+        return ws
+
+    h0, wh = jnp.zeros((4, 3)), jnp.eye(3) * 0.5
+    xs3 = _batches(4, (4, 3), seed=1)
+    got = autoflat.step(rnn, num_steps=4)(wh, h0, xs3)
+    want = (wh, h0)
+    for i in range(4):
+        want = jax.jit(rnn)(*want, xs3[i])
+    tree_allclose(got, want, rtol=1e-6)
+    ws0, ys = jnp.ones((4, 3)), _batches(4, (4,), seed=2)
+    got = autoflat.step(ensemble, num_steps=4)(ws0, _batches(4, (3,)), ys)
+    want = ws0
+    for i in range(4):
+        want = jax.jit(ensemble)(want, _batches(4, (3,))[i], ys[i])
+    tree_allclose(got, want, rtol=1e-6)
+
+
 def test_a_written_tuple_of_parameters_names_wins_over_an_argument_alike():
     """`return (params, ema), loss` beside a broadcast `teacher = (tp, te)` of the same trees,
     and `return (w, b), loss` beside `hp = (lr, wd)` of scalars like `w` and `b`: the
@@ -2466,6 +2519,112 @@ def test_scalar_state_computed_from_itself_is_carried(fn, start):
     the batch), is still matched by value and carried: equal to a loop of `jax.jit` over
     four steps."""
     w0 = jnp.ones(3)
+    step = autoflat.step(fn, num_steps=4)
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    assert "state (matched by value" in autoflat.show(step)
+    tree_allclose(got, _jit_loop(fn, w0, start))
+
+
+def _clamped(w, floor, x, y):  # (the loss clamped from below by a fixed floor, logged)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, jnp.maximum(floor, loss)
+
+
+def _best_so_far(w, best, x, y):  # (the best loss so far, given back as an expression)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, jnp.minimum(best, loss)
+
+
+@pytest.mark.parametrize(("fn", "name"), [(_clamped, "floor"), (_best_so_far, "best")])
+def test_a_maximum_or_minimum_taking_a_bare_array_at_its_place_is_asked_about(fn, name):
+    """`jnp.maximum(floor, loss)` (a clamp: `floor` the same every step, the clamped loss
+    logged) and `jnp.minimum(best, loss)` (a running best) are the same operations: the last
+    operation takes the bare array at its place either way, and both readings type-check.
+    It was carried as state, so a clamp's floor became a running maximum at num_steps > 1,
+    silently. Now the error naming both fixes, each equal to its `jax.jit` loop."""
+    w0, start = jnp.ones(3), jnp.float32(0.5)
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    message = str(e.value)
+    assert f"It is a maximum or a minimum taking `{name}`" in message
+    assert f'broadcast="{name}"' in message and f'state={{"{name}": 1}}' in message
+    step = autoflat.step(fn, num_steps=4, broadcast=name)
+    tree_allclose(step(w0, start, _SCALARS_XS, _SCALARS_YS), _jit_loop(fn, w0, start, True))
+    step = autoflat.step(fn, num_steps=4, state={name: 1})
+    tree_allclose(step(w0, start, _SCALARS_XS, _SCALARS_YS), _jit_loop(fn, w0, start))
+
+
+def _new_best(w, best, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    new_best = jnp.maximum(best, -loss)
+    return w - 0.1 * g, new_best
+
+
+def _best_by_name(w, best, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    best = jnp.minimum(best, loss)
+    return w - 0.1 * g, best
+
+
+@pytest.mark.parametrize("fn", [_new_best, _best_by_name])
+def test_a_running_extreme_whose_name_says_so_is_carried(fn):
+    """Returned under its parameter's new name (`new_best`) or its own, a maximum or a
+    minimum taking it is its new value: carried, equal to a `jax.jit` loop feeding it back."""
+    w0, start = jnp.ones(3), jnp.float32(-9.0 if fn is _new_best else 9.0)
+    step = autoflat.step(fn, num_steps=4)
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    assert "best: state" in autoflat.show(step)
+    tree_allclose(got, _jit_loop(fn, w0, start))
+
+
+def _weighted_parts(w, weights, x, y):  # (fixed loss weights, the weighted parts logged)
+    def parts(w):
+        return {"ce": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(weights[k] * v for k, v in parts(w).items()))(w)
+    return w - 0.1 * g, {k: weights[k] * v for k, v in parts(w).items()}
+
+
+def test_loss_weights_beside_weighted_loss_parts_of_the_same_keys_are_asked_about():
+    """A dict of loss weights beside the weighted loss parts under the same keys: the dict's
+    named parts computed from it were taken as evidence that the parts are its new value,
+    so at num_steps=4 each step was weighted by the last step's weighted losses, silently.
+    A leaf that weighs a value of the step by a leaf of it now needs an addition taking its
+    own leaf as evidence; the error names both fixes, and `broadcast=` equals `jax.jit`."""
+    w0, start = jnp.ones(3), {"ce": jnp.float32(1.0), "l2": jnp.float32(0.01)}
+    with pytest.raises(autoflat.OptionError) as e:
+        autoflat.step(_weighted_parts, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    message = str(e.value)
+    assert "its leaf at `['ce']` sums a leaf of `weights` times a value computed" in message
+    assert 'broadcast="weights"' in message and 'state={"weights": 1}' in message
+    step = autoflat.step(_weighted_parts, num_steps=4, broadcast="weights")
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(_weighted_parts, w0, start, True), rtol=1e-6)
+
+
+def _named_scale(w, ls, x, y):  # (a dynamic loss scale kept in a dict)
+    g = jax.grad(lambda w: ls["scale"] * jnp.mean((x @ w - y) ** 2))(w) / ls["scale"]
+    finite = jnp.all(jnp.isfinite(g))
+    return w - 0.1 * g, {
+        "scale": ls["scale"] * jnp.where(finite, 2.0, 0.5),
+        "good": jnp.where(finite, ls["good"] + 1, 0.0),
+    }
+
+
+def _named_extremes(w, st, x, y):  # (the largest and smallest loss so far, in a dict)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, {"max": jnp.maximum(st["max"], loss), "min": jnp.minimum(st["min"], loss)}
+
+
+@pytest.mark.parametrize(
+    ("fn", "start"),
+    [(_named_scale, {"scale": 2.0**8, "good": 0.0}), (_named_extremes, {"max": -9, "min": 9})],
+)
+def test_scalar_state_with_named_parts_computed_from_itself_is_still_carried(fn, start):
+    """The named-parts evidence still holds where no leaf weighs a value of the step by the
+    dict: a dynamic loss scale times `jnp.where(finite, 2.0, 0.5)`, a dict of running
+    extremes. Carried, equal to a `jax.jit` loop."""
+    w0, start = jnp.ones(3), {k: jnp.float32(v) for k, v in start.items()}
     step = autoflat.step(fn, num_steps=4)
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
     assert "state (matched by value" in autoflat.show(step)

@@ -27,6 +27,7 @@ from .flow import Flow, scalar_container
 from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
+    check_rebound_per_step,
     raise_leading_axis_errors,
 )
 from .nesting import refuse_spread_flat, refuse_spread_state
@@ -84,6 +85,8 @@ def check_state_positions(run: Run) -> None:
 def check_matches(run: Run) -> None:
     """Refuse what matching leaves unsettled, in the order of the module doc."""
     first = run.first
+    if run.num_steps > 1 and first is not None and first.kind != "none":
+        _check_rebound(run, first)
     if run.num_steps > 1 and run.outputs and first is not None:
         _refuse_carried_readings(run, first)
     if first is not None and first.kind != "none":
@@ -115,6 +118,21 @@ def check_matches(run: Run) -> None:
             param=missing[0],
             returns="; ".join(r.describe() for r in run.analysis.returns) or "no return",
         )
+
+
+def _check_rebound(run: Run, first: Return) -> None:
+    """A parameter returned by name, bound again from itself alone, that looks per-step
+    (`hazards.check_rebound_per_step`); the step's data flow read only for such a one."""
+    state = {*run.returned_at, *run.given_back()}
+    moving = frozenset(q for q, role in run.for_eval.items() if role == "scanned") | state
+
+    def varying(p: str) -> frozenset[str]:
+        return moving - {p}
+
+    check_rebound_per_step(
+        run.analysis, run.options, run.returned_at, run.values, run.num_steps, varying,
+        lambda pos: run.flow_of(first)()[pos].sources,
+    )  # fmt: skip
 
 
 def _refuse_carried_readings(run: Run, first: Return) -> None:

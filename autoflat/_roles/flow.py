@@ -38,8 +38,11 @@ class Flow(NamedTuple):
     `p`; `gamma` of `(gamma, alpha)`, not `alpha`, in a TD error `r + gamma * v[s2] - v[s]`),
     the parameter it is an own leaf of times a factor the data picks among constants
     (`picked`: `lr * jnp.where(step < warmup, 0.1, 1.0)`, `jnp.where(step < 2, lr * 0.1,
-    lr)`), or None, and whether the step also computes other values from it (`reused`: `lr_t`
-    in `w - lr_t * g`).
+    lr)`), or None, whether the step also computes other values from it (`reused`: `lr_t`
+    in `w - lr_t * g`), and the parameters whose own leaves a last operation that is a
+    maximum or a minimum takes (`extremes`: `best` in `jnp.maximum(best, loss)`, a running
+    maximum, and `floor` in `jnp.maximum(floor, loss)`, a clamp: only a name tells them
+    apart).
     """
 
     sources: frozenset[str]
@@ -52,6 +55,7 @@ class Flow(NamedTuple):
     origins: tuple[frozenset[Origin], ...]
     picked: tuple[str | None, ...]
     reused: tuple[bool, ...]
+    extremes: tuple[frozenset[str], ...]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -161,6 +165,7 @@ def _flows(
                     None if i is None or not walked[i].picked else walked[i].scaled for i in at_leaf
                 ),
                 tuple(i is not None and reused[i] for i in at_leaf),
+                tuple(_NONE if i is None else walked[i].extreme for i in at_leaf),
             )
         )
     return result
@@ -225,7 +230,9 @@ class _Var(NamedTuple):
     the data only picks between (`stepwise`: `jnp.where(finite, 2.0, 0.5)`), and the weights
     it sums (`Flow.weighted`), the leaves of containers of scalar arrays it is computed
     from (`Flow.origins`), and whether a factor of its multiple is one the data picks
-    (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`)."""
+    (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`), and the parameters
+    whose own leaves the operation making it takes if it is a maximum or a minimum
+    (`Flow.extremes`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -237,6 +244,7 @@ class _Var(NamedTuple):
     weighted: frozenset[Weight] = frozenset()
     origins: frozenset[Origin] = _NO_ORIGINS
     picked: bool = False
+    extreme: frozenset[str] = _NONE
 
 
 _LITERAL = _Var()
@@ -250,7 +258,10 @@ def _walk(jaxpr: Any, ins: list[_Var], last: frozenset[str] | None = None) -> li
     another operation holding jaxprs takes no operand directly and reduces none. Given
     `last` (additions), only an operation of those names takes an operand directly, and only
     its first."""
-    known = {v: x._replace(direct=_NONE) for v, x in zip(_jax.inputs(jaxpr), ins, strict=True)}
+    known = {
+        v: x._replace(direct=_NONE, extreme=_NONE)
+        for v, x in zip(_jax.inputs(jaxpr), ins, strict=True)
+    }
 
     def get(v: Any) -> _Var:
         return _LITERAL if _jax.is_literal(v) else known.get(v, _LITERAL)
@@ -353,8 +364,19 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         _weighted(name, got),
         _NO_ORIGINS.union(*(x.origins for _, x in ins)),
         scaled is not None and (ins[0][1].picked if passes else _picked(name, got)),
+        _extreme(name, ins),
     )
     return [out] * len(_jax.outputs(eqn))
+
+
+def _extreme(name: str, ins: list[tuple[Any, _Var]]) -> frozenset[str]:
+    """`_Var.extreme`: the own leaves a maximum or a minimum takes."""
+    if name not in _EXTREMES:
+        return _NONE
+    return frozenset(own for _, x in ins if (own := _own_leaf(x)) is not None)
+
+
+_EXTREMES = frozenset({"max", "min", "clamp"})
 
 
 def _broadcast(name: str, ins: list[tuple[Any, _Var]]) -> bool:

@@ -34,6 +34,7 @@ from .._errors import (
     NNX_NESTED,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
+    REBOUND_PER_STEP,
     RETURNED_PER_STEP,
     SHORT_FIRST_CHUNK,
     WRITTEN_PER_STEP,
@@ -182,6 +183,32 @@ def check_returned_as_it_came_per_step(
             raise error(
                 ShapeError, RETURNED_PER_STEP, analysis, param=p, pos=pos, num_steps=num_steps
             )
+
+
+def check_rebound_per_step(
+    analysis: Analysis,
+    options: Options,
+    returned_at: dict[str, int],
+    values: dict[str, Any],
+    num_steps: int,
+    varying: Callable[[str], frozenset[str]],
+    sources: Callable[[int], frozenset[str]],
+) -> None:
+    """An argument returned by name is state; one the body binds again from itself alone
+    (`sources` of its return position: none of the parameters `varying` gives for it, the
+    per-step inputs and the other state) is as likely a per-step input transformed and
+    returned to log it (`x = x / 255.0; return w, x`), where every array has a leading axis
+    of num_steps: carried, each step would see the whole chunk. The user says which. (State
+    updated from a batch, an RNN's carry from its input, is computed from more.)"""
+    for p, pos in returned_at.items():
+        value = values[p]
+        if p not in analysis.rebound or p in options.explicit | options.state:
+            continue
+        if is_mutable_module(value) or not _all_leading(value, num_steps):
+            continue
+        if sources(pos) & varying(p):
+            continue
+        raise error(ShapeError, REBOUND_PER_STEP, analysis, param=p, pos=pos, num_steps=num_steps)
 
 
 def _all_leading(value: Any, num_steps: int) -> bool:

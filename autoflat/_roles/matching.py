@@ -168,7 +168,12 @@ def bare_at_place(
     sources = flow()[pos].sources
     name = name_at(names, pos)
     returned = f"`{name}`" if name is not None else "an expression"
-    if _picked_renamed(p, pos, flow, names):
+    if any(p in taken for taken in flow()[pos].extremes):
+        link = (
+            f"It is a maximum or a minimum taking `{p}` (a running best, `jnp.maximum(best, "
+            f"loss)`, or a clamp's bound, `jnp.maximum(floor, loss)`), and no name says which"
+        )
+    elif _picked_renamed(p, pos, flow, names):
         link = (
             f"It is `{p}` times a factor the step picks among constants (a warmup or a step "
             f"schedule, `{p} * jnp.where(step < n, 0.1, 1.0)`), under a name of its own: the "
@@ -240,11 +245,17 @@ def linked(
     `kl_weight`), or it is an expression computed from `p`
     (`jnp.clip(v + g, -1, 1)`) that does not weigh it by another value (`kd * temp**2`
     logs a loss weighed by `temp`: `flow.Weight`). Not `p` times a factor the step picks
-    given back under a name of its own (`_picked_renamed`)."""
+    given back under a name of its own (`_picked_renamed`), nor a maximum or a minimum
+    taking `p` (`Flow.extremes`: a running `best` or a clamp's `floor`) unless the name says
+    which."""
     if _picked_renamed(p, pos, flow, names):
         return False
     here = flow()[pos]
-    if p in here.direct or named_for(p, pos, names):
+    if named_for(p, pos, names):
+        return True
+    if any(p in taken for taken in here.extremes):
+        return False
+    if p in here.direct:
         return True
     weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
     return name_at(names, pos) is None and p in here.sources and not weighed

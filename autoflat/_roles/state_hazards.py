@@ -230,7 +230,7 @@ def refuse_unlinked(
     outputs: list[Any],
     flow: Callable[[], list[Flow]],
     named: Callable[[str, int], bool],
-    evidence: Callable[[str, int], bool],
+    evidence: Callable[[str, int, bool], bool],
     gradients: set[int],
     num_steps: int,
     per_step: frozenset[str],
@@ -246,8 +246,12 @@ def refuse_unlinked(
     computed from it, an addition taking its own array): the type is all that links them
     (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
     returned gradients). For a container of scalar arrays also a leaf computed from it only
-    through reductions (`_only_reduced`), or summing one of its leaves as a weight
-    (`_weighs`; `varying`: the per-step inputs and the state other than scalars). Carried,
+    through reductions (`_only_reduced`), or weighing a value of the step by one of its
+    leaves (`_weighs`; `varying`: the per-step inputs and the state other than scalars),
+    where for a dict only an addition taking its own leaf is evidence (its keys are not:
+    loss weights `{"ce": w_ce, "l2": w_l2}` beside the weighted loss parts of the same
+    keys; a named tuple or a dataclass built again is).
+    Carried,
     each step would start from what is maybe a metric; broadcast, from a value maybe stale.
     With num_steps > 1, refused with both fixes. (A bare array matches only at its place,
     with its own evidence: `matching.bare_at_place`.)"""
@@ -264,8 +268,10 @@ def refuse_unlinked(
             found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], per_step, varying)
             if found is None:
                 continue
-            why = found
-            if evidence(p, pos):
+            why, weighs = found
+            # (a dict's keys are no evidence where a leaf weighs a value of the step by it:
+            # loss weights and the weighted loss parts share their keys by nature)
+            if evidence(p, pos, weighs and isinstance(values[p], dict)):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
@@ -281,9 +287,10 @@ def _unlinked_leaf(
     out: Any,
     per_step: frozenset[str],
     varying: frozenset[str],
-) -> str | None:
+) -> tuple[str, bool] | None:
     """Why position `pos`, matched to `p` by its type alone, may not be its new value (the
-    first leaf that says so); None if no leaf says so."""
+    first leaf that says so), and whether that leaf weighs a value by `p` (`_weighs`); None
+    if no leaf says so."""
     here = flows[pos]
     # (a leaf given back as another argument's leaf came, or made from this step's inputs
     # alone, is a carry's input: `(h, x)`, `(h, x / 2)`; not for a container of scalars,
@@ -298,25 +305,26 @@ def _unlinked_leaf(
     ]
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(out)[0]]
     if unlinked:
-        return f"its leaf at `{paths[unlinked[0]]}` is not computed from `{p}`"
+        return f"its leaf at `{paths[unlinked[0]]}` is not computed from `{p}`", False
     if reduced := _only_reduced(p, value, here, per_step):
         return (
             f"its leaf at `{paths[reduced[0]]}` is computed from `{p}` only through a "
             f"reduction of arrays `{p}` was spread over (a mean, a sum, a norm), as a metric is"
-        )
+        ), False
     if weighs := _weighs(p, value, here, varying):
         return (
             f"its leaf at `{paths[weighs[0]]}` sums a leaf of `{p}` times a value computed "
-            f"from the step's other arguments (`alpha * kd`, `loss / scale`), as a "
+            f"from the step's other arguments (`alpha * kd`, `loss / scale`, or that product "
+            f"alone), as a "
             f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`"
-        )
+        ), True
     if replaced := _replaced(p, flows, pos, per_step):
         at = paths[replaced[0]]
         return (
             f"its leaf at `{at}` is not computed from `{p}{at}`, which the step reads (state "
             f"that a step reads is computed from itself, `count + 1`, `0.9 * ema + 0.1 * "
             f"loss`; a metric beside hyperparameters is not)"
-        )
+        ), False
     return None
 
 

@@ -1915,7 +1915,7 @@ def test_a_bare_array_whose_position_is_an_expression_of_it_is_matched():
 
 @claim(
     PAGE,
-    'Else (a `loss` at the place of an `lr` or a `wd` argument) it is an `autoflat.OptionError` that offers `broadcast="lr"` or a Python float (the same every step), and `state={"lr": 2}` only for a value the step overwrites every step',
+    'Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError` that offers `broadcast="lr"` or a Python float (the same every step), and `state={"lr": 2}` only for a value the step overwrites every step',
 )
 def test_a_loss_at_a_learning_rates_place_is_an_option_error():
     tx = optax.scale_by_adam()
@@ -1956,6 +1956,44 @@ def test_a_loss_at_a_learning_rates_place_is_an_option_error():
     ):
         state, (losses,) = step_loop(step, (p0, tx.init(p0)), (xs,), 4, 2, (lr,))
         tree_allclose((state, losses), (ref_state, rl), rtol=1e-5)
+
+
+@claim(
+    PAGE,
+    "A maximum or a minimum taking its array counts only under its own name or its new one (`best = jnp.minimum(best, loss)`, `new_best`): the same operation is a running best (`jnp.minimum(best, loss)`) or a clamp's fixed bound (`jnp.maximum(floor, loss)`, the clamped loss logged). Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError`",
+)
+def test_a_maximum_or_minimum_at_a_bare_arrays_place_counts_only_under_its_name():
+    def loss_of(w, x):
+        return jnp.mean((x * w - 1.0) ** 2)
+
+    def clamped(w, floor, x):
+        return w * 0.9, jnp.maximum(floor, loss_of(w, x))
+
+    def best_by_name(w, best, x):
+        best = jnp.minimum(best, loss_of(w, x))
+        return w * 0.9, best
+
+    def new_best(w, best, x):
+        new_best = jnp.minimum(best, loss_of(w, x))
+        return w * 0.9, new_best
+
+    xs = data(4, 3)
+    start = (jnp.ones(3), jnp.float32(0.5))
+    with pytest.raises(autoflat.OptionError) as info:
+        autoflat.step(clamped, num_steps=K)(*start, xs)
+    assert "It is a maximum or a minimum taking `floor`" in str(info.value)
+    assert 'broadcast="floor"' in str(info.value)
+    w, logged = start[0], []
+    for x in xs:
+        w, out = jax.jit(clamped)(w, start[1], x)
+        logged.append(out)
+    got = autoflat.step(clamped, num_steps=K, broadcast="floor")(*start, xs)
+    tree_allclose(got, (w, jnp.stack(logged)))
+    for fn in (best_by_name, new_best):
+        want, _ = jit_loop(fn, start, (xs,), K)
+        step = autoflat.step(fn, num_steps=K)
+        tree_allclose(step(*start, xs), want)
+        assert role_line(step, "best").startswith("state"), fn.__name__
 
 
 @claim(
@@ -2369,6 +2407,25 @@ def test_a_per_step_input_returned_as_it_came_is_asked_about():
     np.testing.assert_allclose(w, want_w, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), outs, want)
     assert role_line(step, "x").startswith("scanned (per_step=)")
+
+
+@claim(
+    PAGE,
+    "and one the body binds again from itself alone, nothing of the per-step inputs or other state, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError`)",
+)
+def test_a_per_step_input_bound_again_from_itself_and_returned_is_asked_about():
+    def update(w, x):
+        x = x / 255.0
+        w = w - 0.1 * x.sum()
+        return w, jnp.sum(w), x
+
+    xs = data(K, 2)
+    with pytest.raises(autoflat.ShapeError, match=r'per_step="x"(?s:.*)state="x"'):
+        autoflat.step(update, num_steps=K)(jnp.ones(3), xs)
+    step = autoflat.step(update, num_steps=K, per_step="x")
+    (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
+    (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), K)
+    tree_allclose((w, outs), (want_w, want), rtol=1e-6)
 
 
 @claim(
@@ -4399,7 +4456,7 @@ def test_a_read_leaf_of_scalars_giving_way_to_a_metric_is_asked_about():
 
 @claim(
     PAGE,
-    "Nor does a leaf of the position sum one of its leaves (or a value of them alone, `T**2`) times, or over, a value computed from the batch or the model, as a hyperparameter weighs a loss (Hinton distillation's `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.std(pred) * y_std`), unless the leaf's last operation takes its own leaf (`b - lr * gb`: a model `y = a * x + b` of two scalars, whose gradient weighs `a` by the batch); else the same `autoflat.OptionError`, with the same evidence (`elapsed + dt` beside an EMA whose decay comes from the batch). A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).",
+    'Nor does a leaf of the position sum one of its leaves (or a value of them alone, `T**2`) times, or over, a value computed from the batch or the model, as a hyperparameter weighs a loss (Hinton distillation\'s `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.std(pred) * y_std`), unless the leaf\'s last operation takes its own leaf (`b - lr * gb`: a model `y = a * x + b` of two scalars, whose gradient weighs `a` by the batch); else the same `autoflat.OptionError`, with the same evidence (`elapsed + dt` beside an EMA whose decay comes from the batch; a named tuple or a dataclass of its type built again), where a dict\'s keys are none: loss weights `{"ce": w_ce, "l2": w_l2}` beside the weighted parts `{"ce": w_ce * ce, "l2": w_l2 * l2}` are asked about. A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).',
 )
 @claim(
     PAGE,
