@@ -272,7 +272,7 @@ position {pos} stacks them (as given)
 REBOUND_PER_STEP = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` is returned by name (return \
 position {pos}), which makes it state, and the body binds it again from `{param}` alone \
-(nothing of the step's per-step inputs or other state: `{param} = {param} * 0.5 + 1`). But \
+(nothing of the step's per-step inputs or other state, as a batch normalised is). But \
 every array of `{param}` has a leading axis of {num_steps}, as a per-step input has (a batch \
 transformed and returned to log it?). Carried as state, each step would see all {num_steps} \
 steps' values, transformed again every step. Say which it is:

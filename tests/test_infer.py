@@ -757,6 +757,21 @@ def test_a_per_step_input_rebound_from_itself_alone_and_returned_is_asked_about(
         want = jax.jit(ensemble)(want, _batches(4, (3,))[i], ys[i])
     tree_allclose(got, want, rtol=1e-6)
 
+    def envs(w, keys, t, x):  # (4 environments' keys and step counters, 4 = num_steps)
+        keys = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+        t = t + 1
+        return w - 0.1 * x, keys, t
+
+    start = (jnp.ones(3), jax.random.split(jax.random.key(0), 4), jnp.zeros(4, jnp.int32))
+    got = autoflat.step(envs, num_steps=4)(*start, xs)
+    want = start
+    for i in range(4):
+        want = jax.jit(envs)(*want, xs[i])
+    tree_allclose(
+        (got[0], jax.random.key_data(got[1]), got[2]),
+        (want[0], jax.random.key_data(want[1]), want[2]),
+    )
+
 
 def test_a_written_tuple_of_parameters_names_wins_over_an_argument_alike():
     """`return (params, ema), loss` beside a broadcast `teacher = (tp, te)` of the same trees,
@@ -2535,13 +2550,28 @@ def _best_so_far(w, best, x, y):  # (the best loss so far, given back as an expr
     return w - 0.1 * g, jnp.minimum(best, loss)
 
 
-@pytest.mark.parametrize(("fn", "name"), [(_clamped, "floor"), (_best_so_far, "best")])
+def _clipped(w, lo, x, y):  # (`jnp.clip`: a minimum of a maximum, in a jitted helper)
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, jnp.clip(loss, lo, 10.0)
+
+
+def _floored_by_where(w, floor, x, y):
+    loss, g = _scalar_loss(w, x, y)
+    return w - 0.1 * g, jnp.where(loss < floor, floor, loss)
+
+
+@pytest.mark.parametrize(
+    ("fn", "name"),
+    [(_clamped, "floor"), (_best_so_far, "best"), (_clipped, "lo"), (_floored_by_where, "floor")],
+)
 def test_a_maximum_or_minimum_taking_a_bare_array_at_its_place_is_asked_about(fn, name):
     """`jnp.maximum(floor, loss)` (a clamp: `floor` the same every step, the clamped loss
     logged) and `jnp.minimum(best, loss)` (a running best) are the same operations: the last
     operation takes the bare array at its place either way, and both readings type-check.
     It was carried as state, so a clamp's floor became a running maximum at num_steps > 1,
-    silently. Now the error naming both fixes, each equal to its `jax.jit` loop."""
+    silently; so was a clip's lower bound and a select by a comparison with it (`jnp.where(loss
+    < floor, floor, loss)`). Now the error naming both fixes, each equal to its `jax.jit`
+    loop."""
     w0, start = jnp.ones(3), jnp.float32(0.5)
     with pytest.raises(autoflat.OptionError) as e:
         autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
@@ -2566,14 +2596,24 @@ def _best_by_name(w, best, x, y):
     return w - 0.1 * g, best
 
 
-@pytest.mark.parametrize("fn", [_new_best, _best_by_name])
-def test_a_running_extreme_whose_name_says_so_is_carried(fn):
-    """Returned under its parameter's new name (`new_best`) or its own, a maximum or a
-    minimum taking it is its new value: carried, equal to a `jax.jit` loop feeding it back."""
-    w0, start = jnp.ones(3), jnp.float32(-9.0 if fn is _new_best else 9.0)
+def _amsgrad(w, v_hat, x, y):  # (AMSGrad's running maximum, `vhat` for `v_hat`)
+    _, g = _scalar_loss(w, x, y)
+    vhat = jnp.maximum(v_hat, g**2)
+    return w - 0.1 * g / (jnp.sqrt(vhat) + 1e-3), vhat
+
+
+@pytest.mark.parametrize(
+    ("fn", "start"),
+    [(_new_best, jnp.float32(-9.0)), (_best_by_name, jnp.float32(9.0)), (_amsgrad, jnp.zeros(3))],
+)
+def test_a_running_extreme_whose_name_says_so_is_carried(fn, start):
+    """Returned under its parameter's new name (`new_best`), its own, or it without the
+    underscore (`vhat` for `v_hat`), a maximum or a minimum taking it is its new value:
+    carried, equal to a `jax.jit` loop feeding it back."""
+    w0 = jnp.ones(3)
     step = autoflat.step(fn, num_steps=4)
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
-    assert "best: state" in autoflat.show(step)
+    assert ": state" in autoflat.show(step).splitlines()[3]
     tree_allclose(got, _jit_loop(fn, w0, start))
 
 
@@ -2616,14 +2656,38 @@ def _named_extremes(w, st, x, y):  # (the largest and smallest loss so far, in a
     return w - 0.1 * g, {"max": jnp.maximum(st["max"], loss), "min": jnp.minimum(st["min"], loss)}
 
 
+def _ema_by_step(w, ema, x, y):  # (TF's ExponentialMovingAverage(num_updates=...) in a dict)
+    loss, g = _scalar_loss(w, x, y)
+    d = jnp.minimum(0.99, (1.0 + ema["n"]) / (10.0 + ema["n"]))
+    d = d * jnp.where(jnp.isfinite(loss), 1.0, 0.0) + jnp.abs(jnp.mean(x)) * 0.0
+    return w - 0.1 * g, {
+        "loss": d * ema["loss"] + (1 - d) * loss,
+        "gnorm": (1 - d) * jnp.linalg.norm(g) + d * ema["gnorm"],
+        "n": ema["n"] + 1.0,
+    }
+
+
+def _welford_literal_first(w, st, x, y):  # (the count updated as `b + n`)
+    b = 8.0
+    mean = (st["n"] * st["mean"] + b * jnp.mean(y)) / (st["n"] + b)
+    return w - 0.1 * _scalar_loss(w, x, y)[1], {"mean": mean, "n": b + st["n"]}
+
+
 @pytest.mark.parametrize(
     ("fn", "start"),
-    [(_named_scale, {"scale": 2.0**8, "good": 0.0}), (_named_extremes, {"max": -9, "min": 9})],
+    [
+        (_named_scale, {"scale": 2.0**8, "good": 0.0}),
+        (_named_extremes, {"max": -9, "min": 9}),
+        (_ema_by_step, {"loss": 0.0, "gnorm": 0.0, "n": 0.0}),
+        (_welford_literal_first, {"mean": 0.0, "n": 1.0}),
+    ],
 )
 def test_scalar_state_with_named_parts_computed_from_itself_is_still_carried(fn, start):
-    """The named-parts evidence still holds where no leaf weighs a value of the step by the
-    dict: a dynamic loss scale times `jnp.where(finite, 2.0, 0.5)`, a dict of running
-    extremes. Carried, equal to a `jax.jit` loop."""
+    """The named-parts evidence still holds where no leaf is a value of the step times the
+    dict's own leaf and nothing more: a dynamic loss scale times `jnp.where(finite, 2.0,
+    0.5)`, a dict of running extremes, EMAs whose decay comes from the data (`d * ema["loss"]
+    + (1 - d) * loss`, either term first), a mean over a count `(n * mean + b * m) / (n + b)`.
+    Carried, equal to a `jax.jit` loop."""
     w0, start = jnp.ones(3), {k: jnp.float32(v) for k, v in start.items()}
     step = autoflat.step(fn, num_steps=4)
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)

@@ -137,6 +137,12 @@ def _normalised(w, x):
     return w, x
 
 
+def _normalised_by(w, x):  # (normalised by the weights too: from more than itself)
+    x = (x - x.mean()) / (x.std() + 1e-6) * jnp.abs(w).mean()
+    w = w + 0.1 * x.sum(0)
+    return w, x
+
+
 def _halved_count(w, count, x):
     w = w - 0.1 * x.sum(0)
     count = count / 2
@@ -144,11 +150,15 @@ def _halved_count(w, count, x):
 
 
 def test_a_state_change_from_a_per_step_input_returned_by_name_names_it():
-    # `x` is returned by name after the body rebinds it: state by rule 2, carried whole, so
-    # `x.sum(0)` is (5, 3) and `w` changes shape. The message names `x`, not only `w`.
+    # `x` is returned by name after the body rebinds it from itself alone: asked at the first
+    # call (`hazards.check_rebound_per_step`).
     xs = jnp.linspace(0, 1, 60).reshape(4, 5, 3)
-    with pytest.raises(autoflat.ShapeError) as info:
+    with pytest.raises(autoflat.ShapeError, match="binds it again from `x` alone"):
         autoflat.step(_normalised, num_steps=4)(jnp.ones(3), xs)
+    # Bound again from the weights too: state by rule 2, carried whole, so `x.sum(0)` is
+    # (5, 3) and `w` changes shape. The message names `x`, not only `w`.
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_normalised_by, num_steps=4)(jnp.ones(3), xs)
     assert str(info.value).endswith(
         "`x` is carried as state because the step returns it by name [rule: returned-by-name], "
         "and every array in it has a leading axis of num_steps=4: each step saw the whole "

@@ -216,6 +216,9 @@ class Weight(NamedTuple):
 
     param: str
     by: frozenset[str]  # the parameters the value weighed by is computed from
+    # The product of the parameter's own leaf (not a value of it, `1 - alpha`) and the value,
+    # nothing added since (`w_ce * ce`; not `d * ema + (1 - d) * loss`)
+    bare: bool = False
 
 
 class _Var(NamedTuple):
@@ -232,7 +235,8 @@ class _Var(NamedTuple):
     from (`Flow.origins`), and whether a factor of its multiple is one the data picks
     (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`), and the parameters
     whose own leaves the operation making it takes if it is a maximum or a minimum
-    (`Flow.extremes`)."""
+    (`Flow.extremes`), and for a predicate, the parameters whose own leaves a comparison
+    making it takes (`loss < floor`: `floor`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -245,6 +249,7 @@ class _Var(NamedTuple):
     origins: frozenset[Origin] = _NO_ORIGINS
     picked: bool = False
     extreme: frozenset[str] = _NONE
+    compared: frozenset[str] = _NONE
 
 
 _LITERAL = _Var()
@@ -364,16 +369,38 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         _weighted(name, got),
         _NO_ORIGINS.union(*(x.origins for _, x in ins)),
         scaled is not None and (ins[0][1].picked if passes else _picked(name, got)),
-        _extreme(name, ins),
+        _extreme(name, got),
+        _compared(name, got),
     )
     return [out] * len(_jax.outputs(eqn))
 
 
-def _extreme(name: str, ins: list[tuple[Any, _Var]]) -> frozenset[str]:
-    """`_Var.extreme`: the own leaves a maximum or a minimum takes."""
-    if name not in _EXTREMES:
-        return _NONE
-    return frozenset(own for _, x in ins if (own := _own_leaf(x)) is not None)
+def _extreme(name: str, got: list[_Var]) -> frozenset[str]:
+    """`_Var.extreme`: the own leaves a maximum or a minimum takes, and those its operands
+    took so (`jnp.clip(loss, lo, hi)`, a minimum of a maximum); or the own leaf a select
+    gives whose predicate compares it (`jnp.where(loss < floor, floor, loss)`,
+    `jnp.fmax(floor, loss)`)."""
+    if name in _EXTREMES:
+        owns = {own for x in got if (own := _own_leaf(x)) is not None}
+        return frozenset(owns).union(*(x.extreme for x in got))
+    if name == "select_n" and len(got) > 2:
+        owns = {own for x in got[1:] if (own := _own_leaf(x)) is not None}
+        return frozenset(p for p in owns if p in got[0].compared)
+    return _NONE
+
+
+def _compared(name: str, got: list[_Var]) -> frozenset[str]:
+    """`_Var.compared`: the own leaves a comparison takes, through the casts and logic of
+    predicates (`jnp.fmax`'s `(b > a) | (a != a)`)."""
+    if name in _COMPARISONS:
+        return frozenset(own for x in got if (own := _own_leaf(x)) is not None)
+    if name in _LOGIC:
+        return _NONE.union(*(x.compared for x in got))
+    return _NONE
+
+
+_COMPARISONS = frozenset({"lt", "le", "gt", "ge"})
+_LOGIC = frozenset({"and", "or", "not", "convert_element_type"})
 
 
 _EXTREMES = frozenset({"max", "min", "clamp"})
@@ -448,13 +475,15 @@ def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     if name in ("mul", "div") and len(got) == 2:
         a, b = got
         found = {
-            Weight(p, other.sources)
+            Weight(p, other.sources, bare=_own_leaf(own) == p)
             for own, other in ((a, b), (b, a))
             if (p := _of_one(own)) is not None and not _fixed(other) and not _normalises(other, p)
         }
         found |= b.weighted if _fixed(a) else frozenset()
         found |= a.weighted if _fixed(b) else frozenset()
         return frozenset(found)
+    if name in _SUMMING:
+        return frozenset(w._replace(bare=False) for x in got for w in x.weighted)
     if name in _LINEAR:
         return frozenset().union(*(x.weighted for x in got))
     if name == "select_n":  # (its cases, not its predicate)
@@ -477,9 +506,10 @@ def _normalises(x: _Var, p: str) -> bool:
     return p in x.direct and not any(w.param == p for w in x.weighted)
 
 
+_SUMMING = frozenset({"add", "sub", "add_any"})
 _LINEAR = frozenset(
     {"add", "sub", "add_any", "neg", "reduce_sum", "broadcast_in_dim", "convert_element_type",
-     "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
+     "copy", "copy_p", "reshape", "squeeze", "expand_dims", "stop_gradient"}
 )  # fmt: skip
 
 

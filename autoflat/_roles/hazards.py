@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._analysis.analysis import Analysis
@@ -198,13 +199,16 @@ def check_rebound_per_step(
     (`sources` of its return position: none of the parameters `varying` gives for it, the
     per-step inputs and the other state) is as likely a per-step input transformed and
     returned to log it (`x = x / 255.0; return w, x`), where every array has a leading axis
-    of num_steps: carried, each step would see the whole chunk. The user says which. (State
-    updated from a batch, an RNN's carry from its input, is computed from more.)"""
+    of num_steps and some array is a float: carried, each step would see the whole chunk.
+    The user says which. (State updated from a batch, an RNN's carry from its input, is
+    computed from more; per-environment keys and counters, `t = t + 1`, hold no float.)"""
     for p, pos in returned_at.items():
         value = values[p]
         if p not in analysis.rebound or p in options.explicit | options.state:
             continue
         if is_mutable_module(value) or not _all_leading(value, num_steps):
+            continue
+        if not any(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree_util.tree_leaves(value)):
             continue
         if sources(pos) & varying(p):
             continue

@@ -320,7 +320,8 @@ def renamed(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     if name is None:
         return False
     words = [w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW]
-    return words == [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+    own = [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+    return words == own or (len(words) == 1 and words[0] == "".join(own))  # (`vhat`, `v_hat`)
 
 
 _NEW = frozenset({"new", "next", "updated", "upd"})

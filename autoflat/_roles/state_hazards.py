@@ -248,7 +248,8 @@ def refuse_unlinked(
     returned gradients). For a container of scalar arrays also a leaf computed from it only
     through reductions (`_only_reduced`), or weighing a value of the step by one of its
     leaves (`_weighs`; `varying`: the per-step inputs and the state other than scalars),
-    where for a dict only an addition taking its own leaf is evidence (its keys are not:
+    where, for a dict whose leaf is a value of the step times its own leaf and nothing more
+    (`Weight.bare`), only an addition taking its own leaf is evidence (its keys are not:
     loss weights `{"ce": w_ce, "l2": w_l2}` beside the weighted loss parts of the same
     keys; a named tuple or a dataclass built again is).
     Carried,
@@ -268,10 +269,11 @@ def refuse_unlinked(
             found = _unlinked_leaf(p, values[p], flow(), pos, outputs[pos], per_step, varying)
             if found is None:
                 continue
-            why, weighs = found
-            # (a dict's keys are no evidence where a leaf weighs a value of the step by it:
-            # loss weights and the weighted loss parts share their keys by nature)
-            if evidence(p, pos, weighs and isinstance(values[p], dict)):
+            why, weighs_alone = found
+            # (a dict's keys are no evidence where a leaf is a value of the step weighed by
+            # it and nothing more: loss weights and the weighted loss parts share their keys
+            # by nature; `d * ema["loss"] + (1 - d) * loss` keeps a running value)
+            if evidence(p, pos, weighs_alone and isinstance(values[p], dict)):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
@@ -289,8 +291,8 @@ def _unlinked_leaf(
     varying: frozenset[str],
 ) -> tuple[str, bool] | None:
     """Why position `pos`, matched to `p` by its type alone, may not be its new value (the
-    first leaf that says so), and whether that leaf weighs a value by `p` (`_weighs`); None
-    if no leaf says so."""
+    first leaf that says so), and whether that leaf is a value weighed by a leaf of `p` and
+    nothing more (`_weighs`, `Weight.bare`); None if no leaf says so."""
     here = flows[pos]
     # (a leaf given back as another argument's leaf came, or made from this step's inputs
     # alone, is a carry's input: `(h, x)`, `(h, x / 2)`; not for a container of scalars,
@@ -315,9 +317,9 @@ def _unlinked_leaf(
         return (
             f"its leaf at `{paths[weighs[0]]}` sums a leaf of `{p}` times a value computed "
             f"from the step's other arguments (`alpha * kd`, `loss / scale`, or that product "
-            f"alone), as a "
-            f"hyperparameter weighs a loss; a running value is kept as `0.9 * ema + 0.1 * loss`"
-        ), True
+            f"alone), as a hyperparameter weighs a loss; a running value is kept as `0.9 * ema + "
+            f"0.1 * loss`"
+        ), any(w.bare for j in weighs for w in here.weighted[j] if w.param == p)
     if replaced := _replaced(p, flows, pos, per_step):
         at = paths[replaced[0]]
         return (

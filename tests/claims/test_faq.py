@@ -495,7 +495,18 @@ def _momentum(w, v, x):
 
 def _decayed(w, lr, g):
     w = w - 0.1 * g
-    return w, jnp.minimum(lr, jnp.sum(g))
+    return w, jnp.abs(lr - 0.01 * jnp.sum(g))
+
+
+def _best_expr(w, best, g):
+    w = w - 0.1 * g
+    return w, jnp.minimum(best, jnp.sum(w))
+
+
+def _best_named(w, best, g):
+    w = w - 0.1 * g
+    best = jnp.minimum(best, jnp.sum(w))
+    return w, best
 
 
 @claim(
@@ -527,6 +538,23 @@ def test_names_expressions_and_data_flow_settle_it():
 
     with pytest.raises(autoflat.OptionError, match='broadcast="kl_weight"'):
         autoflat.step(weighted, num_steps=2)(jnp.ones(3), jnp.asarray(0.5), xs)
+
+
+@claim(
+    FAQ,
+    "A maximum or a minimum taking it is the exception: `jnp.minimum(best, loss)` keeps a running best and `jnp.maximum(floor, loss)` clamps by a fixed floor, so only the name settles it (`best = jnp.minimum(best, loss)` or `new_best`); returned as an expression, it asks.",
+)
+def test_a_maximum_or_minimum_taking_it_is_settled_by_its_name_only():
+    xs = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)
+    with pytest.raises(autoflat.OptionError, match='state=\\{"best": 1\\}'):
+        autoflat.step(_best_expr, num_steps=2)(jnp.ones(3), jnp.asarray(9.0), xs)
+    step = autoflat.step(_best_named, num_steps=2)
+    got = step(jnp.ones(3), jnp.asarray(9.0), xs)
+    ref = (jnp.ones(3), jnp.asarray(9.0))
+    for i in range(2):
+        ref = jax.jit(_best_named)(*ref, xs[i])
+    tree_allclose(got, ref)
+    assert "# best: state (returned)" in header(step)
 
 
 # ==========================================================================================

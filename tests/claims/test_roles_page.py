@@ -1960,7 +1960,7 @@ def test_a_loss_at_a_learning_rates_place_is_an_option_error():
 
 @claim(
     PAGE,
-    "A maximum or a minimum taking its array counts only under its own name or its new one (`best = jnp.minimum(best, loss)`, `new_best`): the same operation is a running best (`jnp.minimum(best, loss)`) or a clamp's fixed bound (`jnp.maximum(floor, loss)`, the clamped loss logged). Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError`",
+    "A maximum or a minimum taking its array (or a `jnp.clip` by it, or a select by a comparison with it, `jnp.where(loss < floor, floor, loss)`) counts only under its own name or its new one (`best = jnp.minimum(best, loss)`, `new_best`, `vhat` for `v_hat`): the same operation is a running best (`jnp.minimum(best, loss)`) or a clamp's fixed bound (`jnp.maximum(floor, loss)`, the clamped loss logged). Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError`",
 )
 def test_a_maximum_or_minimum_at_a_bare_arrays_place_counts_only_under_its_name():
     def loss_of(w, x):
@@ -1994,6 +1994,27 @@ def test_a_maximum_or_minimum_at_a_bare_arrays_place_counts_only_under_its_name(
         step = autoflat.step(fn, num_steps=K)
         tree_allclose(step(*start, xs), want)
         assert role_line(step, "best").startswith("state"), fn.__name__
+
+    def clipped(w, floor, x):
+        return w * 0.9, jnp.clip(loss_of(w, x), floor, 10.0)
+
+    def selected(w, floor, x):
+        loss = loss_of(w, x)
+        return w * 0.9, jnp.where(loss < floor, floor, loss)
+
+    def amsgrad(w, v_hat, x):
+        g = jax.grad(loss_of)(w, x)
+        vhat = jnp.maximum(v_hat, g**2)
+        return w - 0.1 * g / (jnp.sqrt(vhat) + 1e-3), vhat
+
+    for fn in (clipped, selected):
+        with pytest.raises(autoflat.OptionError, match="a maximum or a minimum taking `floor`"):
+            autoflat.step(fn, num_steps=K)(*start, xs)
+    start = (jnp.ones(3), jnp.zeros(3))
+    want, _ = jit_loop(amsgrad, start, (xs,), K)
+    step = autoflat.step(amsgrad, num_steps=K)
+    tree_allclose(step(*start, xs), want)
+    assert role_line(step, "v_hat").startswith("state")
 
 
 @claim(
@@ -2411,7 +2432,7 @@ def test_a_per_step_input_returned_as_it_came_is_asked_about():
 
 @claim(
     PAGE,
-    "and one the body binds again from itself alone, nothing of the per-step inputs or other state, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError`)",
+    "and one the body binds again from itself alone, nothing of the per-step inputs or other state, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError` where some array is a float: per-environment keys and counters, `t = t + 1`, are carried)",
 )
 def test_a_per_step_input_bound_again_from_itself_and_returned_is_asked_about():
     def update(w, x):
@@ -2426,6 +2447,14 @@ def test_a_per_step_input_bound_again_from_itself_and_returned_is_asked_about():
     (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
     (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), K)
     tree_allclose((w, outs), (want_w, want), rtol=1e-6)
+
+    def counted(w, t, x):  # (4 environments' step counters at num_steps=4)
+        t = t + 1
+        return w - 0.1 * x.sum(), t
+
+    start = (jnp.ones(3), jnp.zeros(K, jnp.int32))
+    want, _ = jit_loop(counted, start, (xs,), K)
+    tree_allclose(autoflat.step(counted, num_steps=K)(*start, xs), want)
 
 
 @claim(
@@ -4456,7 +4485,7 @@ def test_a_read_leaf_of_scalars_giving_way_to_a_metric_is_asked_about():
 
 @claim(
     PAGE,
-    'Nor does a leaf of the position sum one of its leaves (or a value of them alone, `T**2`) times, or over, a value computed from the batch or the model, as a hyperparameter weighs a loss (Hinton distillation\'s `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.std(pred) * y_std`), unless the leaf\'s last operation takes its own leaf (`b - lr * gb`: a model `y = a * x + b` of two scalars, whose gradient weighs `a` by the batch); else the same `autoflat.OptionError`, with the same evidence (`elapsed + dt` beside an EMA whose decay comes from the batch; a named tuple or a dataclass of its type built again), where a dict\'s keys are none: loss weights `{"ce": w_ce, "l2": w_l2}` beside the weighted parts `{"ce": w_ce * ce, "l2": w_l2 * l2}` are asked about. A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).',
+    'Nor does a leaf of the position sum one of its leaves (or a value of them alone, `T**2`) times, or over, a value computed from the batch or the model, as a hyperparameter weighs a loss (Hinton distillation\'s `alpha * kd + (1 - alpha) * ce` beside `(alpha, T)`, `w_kl * kl`, `loss / loss_scale`, `jnp.std(pred) * y_std`), unless the leaf\'s last operation takes its own leaf (`b - lr * gb`: a model `y = a * x + b` of two scalars, whose gradient weighs `a` by the batch); else the same `autoflat.OptionError`, with the same evidence (`elapsed + dt` beside an EMA whose decay comes from the batch; a named tuple or a dataclass of its type built again), where a dict\'s keys are none for a leaf that is a value of the step times its own leaf and nothing more: loss weights `{"ce": w_ce, "l2": w_l2}` beside the weighted parts `{"ce": w_ce * ce, "l2": w_l2 * l2}` are asked about (`{"loss": d * ema["loss"] + (1 - d) * loss}` keeps a running value). A running value is kept otherwise: its leaf times constants or its sibling leaves (`0.9 * ema + 0.1 * loss`, `mean * (n - 1) / n + x / n`, `scale * jnp.where(finite, 2.0, 0.5)`), or normalised by a sum taking it (`a / (a + b)`).',
 )
 @claim(
     PAGE,
