@@ -387,13 +387,32 @@ def _with_arrays(
     """Flatten `value` with the Python scalars at these leaf indices made arrays (they come
     back from the step as arrays: `TrainState.step`). The indices are those of the first
     call's tree (`first`): a value of another tree (a key added since) keeps its leaves (see
-    `_late_scalars`)."""
+    `_late_scalars`); one whose leaves sit at the same paths, its static fields aside (a new
+    `TrainState` with another `tx`), is the same tree for this."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    if first is None or treedef == first.treedef:
+    if first is None or treedef == first.treedef or _same_paths(treedef, first.treedef):
         for i in indices:
             if not is_array(leaves[i]):
                 leaves[i] = jnp.asarray(leaves[i])
     return intern(treedef, leaves)
+
+
+def _same_paths(treedef: Any, other: Any) -> bool:
+    """Whether two trees' leaves sit at the same key paths (`jax.tree_util.keystr`), whatever
+    their nodes' static data; False where one cannot be rebuilt to read them."""
+    if treedef.num_leaves != other.num_leaves:
+        return False
+    paths = _leaf_paths(treedef)
+    return paths is not None and paths == _leaf_paths(other)
+
+
+def _leaf_paths(treedef: Any) -> tuple[str, ...] | None:
+    try:
+        dummy = treedef.unflatten(range(treedef.num_leaves))
+        found = jax.tree_util.tree_flatten_with_path(dummy)[0]
+    except Exception:
+        return None
+    return tuple(jax.tree_util.keystr(path) for path, _ in found)
 
 
 def _take_broadcast(

@@ -923,6 +923,57 @@ def test_multi_tree_operations_with_a_handle_fail_with_a_message_that_says_what_
         assert "pass autoflat.unwrap(x) there, or decorate the step with lazy=False" in message
 
 
+def _boxed(box, x):
+    return box.replace(w=box.w + x), jnp.sum(box.b)
+
+
+def _bump(state, x):
+    return {"w": state["w"] + x, "b": state["b"] * 2.0}
+
+
+@claim(
+    FAQ,
+    'Pass `autoflat.unwrap(handle)` also where code checks the object\'s exact type or pairs it with a prefix tree: `dataclasses.replace(handle, ...)`, `dataclasses.asdict` and `dataclasses.is_dataclass` (they check `type(x)`; an object\'s own `.replace`, as on a `flax.struct` dataclass or a `TrainState`, works on the handle); an `is_leaf` that tests `type(x) is dict` sees the handle at the root, and a `match` statement\'s mapping pattern does not match it; `jax.vmap(f, in_axes=({"w": 0, "b": None},))(handle)` and `jax.device_put(handle, {"w": sharding, ...})` fail in JAX (an `AssertionError` or an error about the prefix); and Equinox\'s transforms that partition their arguments refuse it with the pytree structure error above (`eqx.filter_grad`, `eqx.filter_value_and_grad`, `eqx.filter_vmap` with `in_axes`, `eqx.filter_eval_shape`; `eqx.filter_jit` and a plain `eqx.filter_vmap` take it).',
+)
+def test_exact_type_checks_and_prefix_trees_need_the_object():
+    import dataclasses
+
+    from flax import struct
+
+    @struct.dataclass
+    class Box:
+        w: jax.Array
+        b: jax.Array
+
+    box, _ = autoflat.step(_boxed)(Box(jnp.ones(2), jnp.ones(2)), jnp.float32(1.0))
+    with pytest.raises(TypeError, match="dataclass"):
+        dataclasses.replace(box, w=jnp.zeros(2))
+    assert not dataclasses.is_dataclass(box)
+    assert dataclasses.is_dataclass(autoflat.unwrap(box))
+    np.testing.assert_array_equal(box.replace(w=jnp.zeros(2)).w, jnp.zeros(2))  # its own
+    h = autoflat.step(_bump)({"w": jnp.ones((2, 3)), "b": jnp.ones(2)}, jnp.float32(1.0))
+    assert len(jax.tree.leaves(h, is_leaf=lambda x: type(x) is dict)) == 2  # not the root
+    assert len(jax.tree.leaves(autoflat.unwrap(h), is_leaf=lambda x: type(x) is dict)) == 1
+    match h:
+        case {"w": _}:
+            matched = True
+        case _:
+            matched = False
+    assert not matched
+    with pytest.raises((AssertionError, ValueError)):
+        jax.vmap(lambda s: s["w"].sum(), in_axes=({"w": 0, "b": None},))(h)
+    got = jax.vmap(lambda s: s["w"].sum(), in_axes=({"w": 0, "b": None},))(autoflat.unwrap(h))
+    np.testing.assert_allclose(got, [6.0, 6.0])
+    model = _seq_handle()
+    for transform in (
+        eqx.filter_grad(lambda m: jnp.sum(m.layers[0](jnp.ones(3)))),
+        lambda m: eqx.filter_eval_shape(lambda m: m, m),
+    ):
+        with pytest.raises(ValueError, match="pass autoflat.unwrap"):
+            transform(model)
+    assert eqx.filter_jit(lambda m: jnp.sum(m.layers[0](jnp.ones(3))))(model).shape == ()
+
+
 def _adam_add(params, opt_state, x):
     updates, opt_state = _tx_adam.update({"w": params["w"] * x}, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
