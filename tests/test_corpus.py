@@ -84,7 +84,8 @@ _EQX_BATCHNORM_MODE = "ignore:When `eqx.nn.BatchNorm:UserWarning"
 
 CASES: dict[str, Case] = {
     # JAX's own examples (jax-ml/jax examples/, jax.example_libraries)
-    "jax_mnist_classifier": Case("jax", "update", jax.jit),
+    # (k=1 in the slow suite: jax_mnist_classifier_fromscratch runs JAX's examples at k=1)
+    "jax_mnist_classifier": Case("jax", "update", jax.jit, slow_ks=(1,)),
     "jax_mnist_classifier_fromscratch": Case("jax", "update", jax.jit),
     # XLA's CPU compile of the per-example clipped grads, ~8 s a run: k=4 only (it runs
     # upstream's loop at k=1 too, as the reference); k=1 in the slow suite
@@ -130,8 +131,9 @@ CASES: dict[str, Case] = {
         # its accuracy, 1/6 apart, follows the last bits.
         all_packed_outputs=0.17,
     ),
+    # (k=1 in the slow suite: flax_linen_lr_schedule_partial runs the same step at k=1)
     "flax_linen_lr_schedule": Case(
-        "flax.linen", "train_step", functools.partial(jax.jit, static_argnums=2)
+        "flax.linen", "train_step", functools.partial(jax.jit, static_argnums=2), slow_ks=(1,)
     ),
     # The same step as Flax's examples compile it, `jax.jit(functools.partial(train_step,
     # learning_rate_fn=learning_rate_fn))` (examples/imagenet, examples/wmt: `jax.pmap` there,
@@ -147,11 +149,14 @@ CASES: dict[str, Case] = {
         "flax.linen",
         "train_step",
         # Upstream calls train_step without jit; eagerly it takes ~10 s on CPU, and jax.jit
-        # with `latents` static is the same computation.
+        # with `latents` static is the same computation. k=1 in the slow suite (for the
+        # suite's time; k=4 stays, with its key per step and its static Python int).
         functools.partial(jax.jit, static_argnums=3),
+        slow_ks=(1,),
     ),
     # Equinox
-    "eqx_mnist": Case("equinox", "make_step", eqx.filter_jit),
+    # (k=1 in the slow suite: eqx_frozen_layer and eqx_stateful run Equinox steps at k=1)
+    "eqx_mnist": Case("equinox", "make_step", eqx.filter_jit, slow_ks=(1,)),
     "eqx_stateful": Case(
         "equinox",
         "make_step",

@@ -2581,7 +2581,7 @@ def _best_so_far(w, best, x, y):  # (the best loss so far, given back as an expr
     return w - 0.1 * g, jnp.minimum(best, loss)
 
 
-def _clipped(w, lo, x, y):  # (`jnp.clip`: a minimum of a maximum, in a jitted helper)
+def _loss_clipped(w, lo, x, y):  # (`jnp.clip`: a minimum of a maximum, in a jitted helper)
     loss, g = _scalar_loss(w, x, y)
     return w - 0.1 * g, jnp.clip(loss, lo, 10.0)
 
@@ -2593,7 +2593,12 @@ def _floored_by_where(w, floor, x, y):
 
 @pytest.mark.parametrize(
     ("fn", "name"),
-    [(_clamped, "floor"), (_best_so_far, "best"), (_clipped, "lo"), (_floored_by_where, "floor")],
+    [
+        (_clamped, "floor"),
+        (_best_so_far, "best"),
+        (_loss_clipped, "lo"),
+        (_floored_by_where, "floor"),
+    ],
 )
 def test_a_maximum_or_minimum_taking_a_bare_array_at_its_place_is_asked_about(fn, name):
     """`jnp.maximum(floor, loss)` (a clamp: `floor` the same every step, the clamped loss
