@@ -2414,39 +2414,29 @@ def test_a_returned_dict_has_its_values_as_return_positions():
     PAGE,
     "so is one the body never changes whose array leaves all have a leading axis of `num_steps`, `return w, loss, x` for a per-step `x`, an `autoflat.ShapeError` that asks for `per_step=` or `state=`",
 )
-def test_a_per_step_input_returned_as_it_came_is_asked_about():
-    def update(w, x):
-        w = w - 0.1 * x.sum()
-        return w, jnp.sum(w), x
-
-    xs = data(K, 2)
-    with pytest.raises(autoflat.ShapeError, match=r'per_step="x"(?s:.*)state="x"'):
-        autoflat.step(update, num_steps=K)(jnp.ones(3), xs)
-    step = autoflat.step(update, num_steps=K, per_step="x")
-    (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
-    (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), K)
-    np.testing.assert_allclose(w, want_w, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), outs, want)
-    assert role_line(step, "x").startswith("scanned (per_step=)")
-
-
 @claim(
     PAGE,
     "and one the body binds again from itself alone, nothing of the per-step inputs or other state, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError` where some array is a float: per-environment keys and counters, `t = t + 1`, are carried)",
 )
-def test_a_per_step_input_bound_again_from_itself_and_returned_is_asked_about():
+def test_a_per_step_input_returned_as_it_came_or_bound_from_itself_is_asked_about():
     def update(w, x):
+        w = w - 0.1 * x.sum()
+        return w, jnp.sum(w), x
+
+    def rebound(w, x):
         x = x / 255.0
         w = w - 0.1 * x.sum()
         return w, jnp.sum(w), x
 
     xs = data(K, 2)
-    with pytest.raises(autoflat.ShapeError, match=r'per_step="x"(?s:.*)state="x"'):
-        autoflat.step(update, num_steps=K)(jnp.ones(3), xs)
-    step = autoflat.step(update, num_steps=K, per_step="x")
-    (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
-    (want_w,), want = jit_loop(update, (jnp.ones(3),), (xs,), K)
-    tree_allclose((w, outs), (want_w, want), rtol=1e-6)
+    for fn in (update, rebound):
+        with pytest.raises(autoflat.ShapeError, match=r'per_step="x"(?s:.*)state="x"'):
+            autoflat.step(fn, num_steps=K)(jnp.ones(3), xs)
+        step = autoflat.step(fn, num_steps=K, per_step="x")
+        (w,), outs = step_loop(step, (jnp.ones(3),), (xs,), K, K)
+        (want_w,), want = jit_loop(fn, (jnp.ones(3),), (xs,), K)
+        tree_allclose((w, outs), (want_w, want), rtol=1e-6)
+        assert role_line(step, "x").startswith("scanned (per_step=)")
 
     def counted(w, t, x):  # (4 environments' step counters at num_steps=4)
         t = t + 1
