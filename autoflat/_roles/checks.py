@@ -131,7 +131,7 @@ def _check_rebound(run: Run, first: Return) -> None:
 
     check_rebound_per_step(
         run.analysis, run.options, run.returned_at, run.values, run.num_steps, varying,
-        lambda pos: run.flow_of(first)()[pos].sources,
+        lambda pos: run.flow_of(first)()[pos],
     )  # fmt: skip
 
 

@@ -376,15 +376,16 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
 
 
 def _extreme(name: str, got: list[_Var]) -> frozenset[str]:
-    """`_Var.extreme`: the own leaves a maximum or a minimum takes, and those its operands
-    took so (`jnp.clip(loss, lo, hi)`, a minimum of a maximum); or the own leaf a select
-    gives whose predicate compares it (`jnp.where(loss < floor, floor, loss)`,
-    `jnp.fmax(floor, loss)`)."""
+    """`_Var.extreme`: the own leaves a maximum or a minimum takes as they came (a clamp's
+    bound; not `0.999 * u`, AdaMax's decayed own value), and those its operands took so
+    (`jnp.clip(loss, lo, hi)`, a minimum of a maximum); or the own leaf a select gives whose
+    predicate compares it (`jnp.where(loss < floor, floor, loss)`, `jnp.fmax(floor,
+    loss)`)."""
     if name in _EXTREMES:
-        owns = {own for x in got if (own := _own_leaf(x)) is not None}
+        owns = {x.root for x in got if x.root is not None}
         return frozenset(owns).union(*(x.extreme for x in got))
     if name == "select_n" and len(got) > 2:
-        owns = {own for x in got[1:] if (own := _own_leaf(x)) is not None}
+        owns = {x.root for x in got[1:] if x.root is not None}
         return frozenset(p for p in owns if p in got[0].compared)
     return _NONE
 

@@ -47,6 +47,7 @@ from .._handles.nnx import nested_module
 from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
 from .abstract import abstract_leaves, changes_inside, eval_one_step, positions_of, same_value
+from .flow import Flow
 from .matching import is_key
 from .options import Options, Role
 
@@ -193,15 +194,17 @@ def check_rebound_per_step(
     values: dict[str, Any],
     num_steps: int,
     varying: Callable[[str], frozenset[str]],
-    sources: Callable[[int], frozenset[str]],
+    flow: Callable[[int], Flow],
 ) -> None:
     """An argument returned by name is state; one the body binds again from itself alone
-    (`sources` of its return position: none of the parameters `varying` gives for it, the
-    per-step inputs and the other state) is as likely a per-step input transformed and
-    returned to log it (`x = x / 255.0; return w, x`), where every array has a leading axis
-    of num_steps and some array is a float: carried, each step would see the whole chunk.
-    The user says which. (State updated from a batch, an RNN's carry from its input, is
-    computed from more; per-environment keys and counters, `t = t + 1`, hold no float.)"""
+    (the `flow` of its return position computed from none of the parameters `varying` gives
+    for it, the per-step inputs and the other state) and then computes with (`Flow.reused`)
+    is as likely a per-step input transformed, used and returned to log it (`x = x / 255.0`,
+    the loss computed from it, `return w, x`), where every array has a leading axis of
+    num_steps and some array is a float: carried, each step would see the whole chunk. The
+    user says which. (State updated from a batch, an RNN's carry from its input, is computed
+    from more; a decay or a count after use, `lrs = lrs * 0.99` for four ensemble members at
+    num_steps=4, is only returned; per-environment keys and int counters hold no float.)"""
     for p, pos in returned_at.items():
         value = values[p]
         if p not in analysis.rebound or p in options.explicit | options.state:
@@ -210,7 +213,8 @@ def check_rebound_per_step(
             continue
         if not any(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree_util.tree_leaves(value)):
             continue
-        if sources(pos) & varying(p):
+        here = flow(pos)
+        if here.sources & varying(p) or not any(here.reused):
             continue
         raise error(ShapeError, REBOUND_PER_STEP, analysis, param=p, pos=pos, num_steps=num_steps)
 

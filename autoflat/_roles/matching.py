@@ -168,10 +168,18 @@ def bare_at_place(
     sources = flow()[pos].sources
     name = name_at(names, pos)
     returned = f"`{name}`" if name is not None else "an expression"
-    if any(p in taken for taken in flow()[pos].extremes):
+    if _extreme_only(p, flow()[pos]):
         link = (
-            f"It is a maximum or a minimum taking `{p}` (a running best, `jnp.maximum(best, "
-            f"loss)`, or a clamp's bound, `jnp.maximum(floor, loss)`), and no name says which"
+            f"It is a maximum or a minimum taking `{p}` (or a clip by it, or a select by a "
+            f"comparison with it), which the step only returns: a running best "
+            f"(`jnp.minimum(best, loss)`) or a value clamped by a fixed bound "
+            f"(`jnp.maximum(floor, loss)`), and "
+            + (
+                f"`{name}` is neither `{p}` nor `new_{p}` and shares no word for a running "
+                f"extreme with it (`best`, `max`, `min`)"
+                if name
+                else "no name says which"
+            )
         )
     elif _picked_renamed(p, pos, flow, names):
         link = (
@@ -246,19 +254,41 @@ def linked(
     (`jnp.clip(v + g, -1, 1)`) that does not weigh it by another value (`kd * temp**2`
     logs a loss weighed by `temp`: `flow.Weight`). Not `p` times a factor the step picks
     given back under a name of its own (`_picked_renamed`), nor a maximum or a minimum
-    taking `p` (`Flow.extremes`: a running `best` or a clamp's `floor`) unless the name says
-    which."""
+    taking `p` (`_extreme_only`: a running `best` or a clamp's `floor`) unless the name says
+    which (`named_for`, or a shared word for an extreme: `_extreme_named`)."""
     if _picked_renamed(p, pos, flow, names):
         return False
     here = flow()[pos]
     if named_for(p, pos, names):
         return True
-    if any(p in taken for taken in here.extremes):
-        return False
+    if _extreme_only(p, here):
+        return _extreme_named(p, pos, names)
     if p in here.direct:
         return True
     weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
     return name_at(names, pos) is None and p in here.sources and not weighed
+
+
+def _extreme_only(p: str, here: Flow) -> bool:
+    """Whether the position is a maximum or a minimum taking `p`'s array as it came
+    (`Flow.extremes`) that the step only returns: a clamped loss logged (`jnp.maximum(floor,
+    loss)`) looks like a running best (`jnp.minimum(best, loss)`). One the step computes with
+    (`Flow.reused`: AMSGrad's `v_hat_t = jnp.maximum(v_hat, v_t)` in the update) is a value
+    it carries on."""
+    return any(p in taken for taken in here.extremes) and not any(here.reused)
+
+
+def _extreme_named(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether the name at return position `pos` shares with `p` a word for a running
+    extreme (`new_best` for `best_loss`, `running_max` for `max_gnorm`, `cur_min` for
+    `min_val`): a clamp's bound and the clamped value share none (`loss` for `loss_floor`)."""
+    name = name_at(names, pos)
+    return name is not None and bool(_words(name) & _words(p) & _EXTREME_WORDS)
+
+
+_EXTREME_WORDS = frozenset(
+    {"best", "worst", "max", "min", "amax", "amin", "peak", "highest", "lowest", "record"}
+)
 
 
 def _picked_renamed(

@@ -542,7 +542,7 @@ def test_names_expressions_and_data_flow_settle_it():
 
 @claim(
     FAQ,
-    "A maximum or a minimum taking it is the exception: `jnp.minimum(best, loss)` keeps a running best and `jnp.maximum(floor, loss)` clamps by a fixed floor, so only the name settles it (`best = jnp.minimum(best, loss)` or `new_best`); returned as an expression, it asks.",
+    "A maximum or a minimum taking it is the exception: `jnp.minimum(best, loss)` keeps a running best and `jnp.maximum(floor, loss)` clamps by a fixed floor, so only the name settles it (`best = jnp.minimum(best, loss)`, `new_best`, or a word for an extreme it shares, `running_max` for `max_gnorm`), or the step computing with it (AMSGrad's `v_hat_t` in the update); returned as an expression and used for nothing else, it asks.",
 )
 def test_a_maximum_or_minimum_taking_it_is_settled_by_its_name_only():
     xs = jnp.linspace(0.0, 1.0, 6).reshape(2, 3)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import pathlib
 import re
 import typing
@@ -1960,7 +1961,7 @@ def test_a_loss_at_a_learning_rates_place_is_an_option_error():
 
 @claim(
     PAGE,
-    "A maximum or a minimum taking its array (or a `jnp.clip` by it, or a select by a comparison with it, `jnp.where(loss < floor, floor, loss)`) counts only under its own name or its new one (`best = jnp.minimum(best, loss)`, `new_best`, `vhat` for `v_hat`): the same operation is a running best (`jnp.minimum(best, loss)`) or a clamp's fixed bound (`jnp.maximum(floor, loss)`, the clamped loss logged). Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError`",
+    "A maximum or a minimum taking its array as it came (or a `jnp.clip` by it, or a select by a comparison with it, `jnp.where(loss < floor, floor, loss)`; not AdaMax's `jnp.maximum(0.999 * u, jnp.abs(g))`) that the step only returns counts only under its own name or its new one (`best = jnp.minimum(best, loss)`, `new_best`, `vhat` for `v_hat`) or a name sharing a word for an extreme with it (`best`, `max`, `min`, `peak`: `new_best` for `best_loss`, `running_max` for `max_gnorm`): the same operation is a running best (`jnp.minimum(best, loss)`) or a clamp's fixed bound (`jnp.maximum(floor, loss)`, the clamped loss logged); one the step computes with (AMSGrad's `v_hat_t` in the update) counts as any. Else (a `loss` at the place of an `lr` or a `wd` argument, or such an extreme returned as an expression) it is an `autoflat.OptionError`",
 )
 def test_a_maximum_or_minimum_at_a_bare_arrays_place_counts_only_under_its_name():
     def loss_of(w, x):
@@ -2010,11 +2011,35 @@ def test_a_maximum_or_minimum_at_a_bare_arrays_place_counts_only_under_its_name(
     for fn in (clipped, selected):
         with pytest.raises(autoflat.OptionError, match="a maximum or a minimum taking `floor`"):
             autoflat.step(fn, num_steps=K)(*start, xs)
-    start = (jnp.ones(3), jnp.zeros(3))
-    want, _ = jit_loop(amsgrad, start, (xs,), K)
-    step = autoflat.step(amsgrad, num_steps=K)
-    tree_allclose(step(*start, xs), want)
-    assert role_line(step, "v_hat").startswith("state")
+
+    def adamax(w, u, x):  # (its decayed own value: no clamp's bound)
+        g = jax.grad(loss_of)(w, x)
+        u_t = jnp.maximum(0.999 * u, jnp.abs(g))
+        return w * 0.9, u_t
+
+    def early_stopping(w, best_loss, x):
+        loss = loss_of(w, x)
+        new_best = jnp.where(loss < best_loss, loss, best_loss)
+        return w * 0.9, new_best
+
+    def tracked(w, max_gnorm, x):
+        running_max = jnp.maximum(max_gnorm, jnp.linalg.norm(jax.grad(loss_of)(w, x)))
+        return w * 0.9, running_max
+
+    def floored(w, loss_floor, x):  # (`loss` shares no word for an extreme with it)
+        loss = jnp.maximum(loss_of(w, x), loss_floor)
+        return w * 0.9, loss
+
+    cases = ((amsgrad, jnp.zeros(3)), (adamax, jnp.zeros(3)), (early_stopping, 9.0), (tracked, 0.0))
+    for fn, second in cases:
+        start = (jnp.ones(3), jnp.asarray(second, jnp.float32))
+        want, _ = jit_loop(fn, start, (xs,), K)
+        step = autoflat.step(fn, num_steps=K)
+        tree_allclose(step(*start, xs), want)
+        second_name = list(inspect.signature(fn).parameters)[1]
+        assert role_line(step, second_name).startswith("state"), fn.__name__
+    with pytest.raises(autoflat.OptionError, match="`loss` is neither `loss_floor` nor"):
+        autoflat.step(floored, num_steps=K)(jnp.ones(3), jnp.float32(0.5), xs)
 
 
 @claim(
@@ -2416,7 +2441,7 @@ def test_a_returned_dict_has_its_values_as_return_positions():
 )
 @claim(
     PAGE,
-    "and one the body binds again from itself alone, nothing of the per-step inputs or other state, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError` where some array is a float: per-environment keys and counters, `t = t + 1`, are carried)",
+    "and one the body binds again from itself alone, nothing of the per-step inputs or other state, and then computes with, `x = x / 255.0; return w, loss, x`, the same `autoflat.ShapeError` where some array is a float: a decay after use, `lrs = lrs * 0.99` for four ensemble members, per-environment keys and int counters, `t = t + 1`, are carried)",
 )
 def test_a_per_step_input_returned_as_it_came_or_bound_from_itself_is_asked_about():
     def update(w, x):
@@ -2442,9 +2467,15 @@ def test_a_per_step_input_returned_as_it_came_or_bound_from_itself_is_asked_abou
         t = t + 1
         return w - 0.1 * x.sum(), t
 
-    start = (jnp.ones(3), jnp.zeros(K, jnp.int32))
-    want, _ = jit_loop(counted, start, (xs,), K)
-    tree_allclose(autoflat.step(counted, num_steps=K)(*start, xs), want)
+    def decayed(ws, lrs, x):  # (four members' rates, decayed after use)
+        ws = ws - lrs[:, None] * x.sum()
+        lrs = lrs * 0.99
+        return ws, lrs
+
+    for fn, second in ((counted, jnp.zeros(K, jnp.int32)), (decayed, jnp.full(K, 0.1))):
+        start = (jnp.ones((K, 3)) if fn is decayed else jnp.ones(3), second)
+        want, _ = jit_loop(fn, start, (xs,), K)
+        tree_allclose(autoflat.step(fn, num_steps=K)(*start, xs), want)
 
 
 @claim(
