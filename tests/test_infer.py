@@ -496,11 +496,12 @@ def test_train_state_with_a_python_int_step_compiles_once(k):
 
 @pytest.mark.parametrize("k", [1, K])
 def test_a_fresh_train_state_with_another_tx_on_a_later_call(k):
-    """A new `TrainState` per seed in one process: its `tx` is another object, so its tree's
-    static data differs from the first call's, and its Python int `step` went in as an int
-    at num_steps > 1, where the step makes it an array: refused, blaming the step for
-    changing its state's structure. Its leaves sit at the first call's paths, so the step
-    goes in as an array, as at the first call; equal to a `jax.jit` loop per state."""
+    """A new `TrainState` per seed or per optimizer in one process: its `tx` is another
+    object, so its tree differs from the first call's (its static data, or its optimizer
+    state too), and its Python int `step` went in as an int at num_steps > 1, where the step
+    makes it an array: refused, blaming the step for changing its state's structure. The
+    leaf at the path the first call made an array goes in as an array; equal to a `jax.jit`
+    loop per state."""
     train_state = pytest.importorskip("flax.training.train_state")
 
     def train_step(state, x):
@@ -508,17 +509,17 @@ def test_a_fresh_train_state_with_another_tx_on_a_later_call(k):
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    def fresh():
+    def fresh(tx):
         params = {"w": jnp.ones(3)}
-        return train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
 
     xs = _batches(K, (2, 3))
     step = autoflat.step(train_step, num_steps=k)
-    for _ in range(2):
-        s = fresh()
+    for tx in (optax.sgd(0.1), optax.sgd(0.1), optax.adam(0.1)):
+        s = fresh(tx)
         for start in range(0, K, k):
             s, _ = step(s, xs[start : start + k] if k > 1 else xs[start])
-        want = fresh()
+        want = fresh(tx)
         for i in range(K):
             want, _ = jax.jit(train_step)(want, xs[i])
         assert int(s.step) == K

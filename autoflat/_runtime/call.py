@@ -386,24 +386,26 @@ def _with_arrays(
 ) -> tuple[Structure, list[Any]]:
     """Flatten `value` with the Python scalars at these leaf indices made arrays (they come
     back from the step as arrays: `TrainState.step`). The indices are those of the first
-    call's tree (`first`): a value of another tree (a key added since) keeps its leaves (see
-    `_late_scalars`); one whose leaves sit at the same paths, its static fields aside (a new
-    `TrainState` with another `tx`), is the same tree for this."""
+    call's tree (`first`); for a value of another tree (a new `TrainState` with another
+    optimizer, a key added since) the leaves at the same key paths (`_at_paths_of`)."""
     leaves, treedef = jax.tree_util.tree_flatten(value)
-    if first is None or treedef == first.treedef or _same_paths(treedef, first.treedef):
-        for i in indices:
-            if not is_array(leaves[i]):
-                leaves[i] = jnp.asarray(leaves[i])
+    if first is not None and treedef != first.treedef:
+        indices = _at_paths_of(value, first.treedef, indices)
+    for i in indices:
+        if not is_array(leaves[i]):
+            leaves[i] = jnp.asarray(leaves[i])
     return intern(treedef, leaves)
 
 
-def _same_paths(treedef: Any, other: Any) -> bool:
-    """Whether two trees' leaves sit at the same key paths (`jax.tree_util.keystr`), whatever
-    their nodes' static data; False where one cannot be rebuilt to read them."""
-    if treedef.num_leaves != other.num_leaves:
-        return False
+def _at_paths_of(value: Any, treedef: Any, indices: tuple[int, ...]) -> tuple[int, ...]:
+    """The leaves of `value` at the key paths (`jax.tree_util.keystr`) where `treedef`'s
+    leaves `indices` sit; none where `treedef` cannot be rebuilt to read its paths."""
     paths = _leaf_paths(treedef)
-    return paths is not None and paths == _leaf_paths(other)
+    if paths is None:
+        return ()
+    wanted = {paths[i] for i in indices}
+    found = jax.tree_util.tree_flatten_with_path(value)[0]
+    return tuple(i for i, (path, _) in enumerate(found) if jax.tree_util.keystr(path) in wanted)
 
 
 def _leaf_paths(treedef: Any) -> tuple[str, ...] | None:
