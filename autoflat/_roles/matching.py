@@ -25,6 +25,7 @@ from .._errors import (
     AMBIGUOUS_STATE,
     ARRAY_AT_ITS_PLACE,
     RETURNS_DISAGREE,
+    AutoflatError,
     OptionError,
     SourceError,
     error,
@@ -58,6 +59,34 @@ def match(
     positions (`settle_alike`), or returns None."""
     if not outputs:
         return {}
+    fits = _fits(
+        analysis, values, candidates, positions, outputs, declared, place, flow, names, gradients
+    )
+    copies = _first_of_copies(fits, outputs)  # per parameter, a note on the others
+    matched = _settle_singles(fits, copies)
+    left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
+    if left:
+        spots = sorted({pos for p in left for pos in fits[p]})
+        settled = alike(left, spots, fits)
+        if settled is None:
+            raise _ambiguous(analysis, left, spots)
+        matched.update(settled)
+    return matched
+
+
+def _fits(
+    analysis: Analysis,
+    values: dict[str, Any],
+    candidates: list[str],
+    positions: list[int],
+    outputs: list[Any],
+    declared: set[str],
+    place: dict[str, int],
+    flow: Callable[[], list[Flow]],
+    names: tuple[str | None, ...],
+    gradients: dict[int, set[str]],
+) -> dict[str, list[int]]:
+    """Per candidate parameter, the return positions whose abstract value it could be."""
     fits: dict[str, list[int]] = {}
     for p in candidates:
         bare = jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p]))
@@ -82,9 +111,15 @@ def match(
                 for pos in positions
                 if pos not in fitted and same_value(values[p], outputs[pos])
             ]
-    copies = _first_of_copies(fits, outputs)  # per parameter, a note on the others
+    return fits
+
+
+def _settle_singles(
+    fits: dict[str, list[int]], copies: dict[str, str]
+) -> dict[str, tuple[int, str]]:
+    """One parameter for one position: settled, that position taken from the others' fits
+    (`fits` is narrowed in place); repeated while that frees others."""
     matched: dict[str, tuple[int, str]] = {}
-    # One parameter for one position: settled. Repeat while that frees others.
     changed = True
     while changed:
         changed = False
@@ -98,34 +133,30 @@ def match(
                     if q not in matched:
                         fits[q] = [pos for pos in fits[q] if pos != ps[0]]
                 changed = True
-    left = sorted((p for p, ps in fits.items() if ps and p not in matched), key=params.index)
-    if left:
-        spots = sorted({pos for p in left for pos in fits[p]})
-        settled = alike(left, spots, fits)
-        if settled is not None:
-            matched.update(settled)
-        else:
-            listed = ", ".join(f"`{q}`" for q in left)
-            if len(spots) == 1:
-                either = " or ".join(f"`{q}`" for q in left)
-                what = f"return position {spots[0]} could be the new value of {either}"
-            elif len(left) == 1:
-                what = f"return positions {', '.join(map(str, spots))} each look like {listed}"
-            else:
-                what = (
-                    f"return positions {', '.join(map(str, spots))} could each be the new "
-                    f"value of {listed}"
-                )
-            example = ", ".join(f'"{q}": <position>' for q in left)
-            raise error(
-                OptionError,
-                AMBIGUOUS_STATE,
-                analysis,
-                what=what,
-                example=example,
-                by_name=_by_name(analysis),
-            )
     return matched
+
+
+def _ambiguous(analysis: Analysis, left: list[str], spots: list[int]) -> AutoflatError:
+    """The error for parameters that several return positions could each be state for."""
+    listed = ", ".join(f"`{q}`" for q in left)
+    if len(spots) == 1:
+        either = " or ".join(f"`{q}`" for q in left)
+        what = f"return position {spots[0]} could be the new value of {either}"
+    elif len(left) == 1:
+        what = f"return positions {', '.join(map(str, spots))} each look like {listed}"
+    else:
+        what = (
+            f"return positions {', '.join(map(str, spots))} could each be the new value of {listed}"
+        )
+    example = ", ".join(f'"{q}": <position>' for q in left)
+    return error(
+        OptionError,
+        AMBIGUOUS_STATE,
+        analysis,
+        what=what,
+        example=example,
+        by_name=_by_name(analysis),
+    )
 
 
 def _first_of_copies(fits: dict[str, list[int]], outputs: list[Any]) -> dict[str, str]:
