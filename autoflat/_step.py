@@ -20,7 +20,7 @@ from typing import Any, Literal
 import jax
 
 from . import _caches
-from ._analysis.analysis import analyse
+from ._analysis.analysis import Analysis, analyse
 from ._analysis.source import Bound, bound_arguments, jit_static_names, unwrap_function
 from ._errors import (
     BAD_FLAG,
@@ -97,33 +97,12 @@ class Step:
         # `functools.partial(train_step, tx=tx)`: the function, and what the partials bind.
         self._bound = bound_arguments(fn)
         analysis = self._analysis = analyse(fn)
-        state_, broadcast_, static_, per_step_ = (
-            _names(value, option, analysis)
-            for value, option in (
-                (state, "state"),
-                (broadcast, "broadcast"),
-                (static_argnames, "static_argnames"),
-                (per_step, "per_step"),
-            )
-        )
-        # A `jax.jit(..., static_argnums=2)` under autoflat: its static arguments are static
-        # here too (its donation is autoflat's own: the state it carries).
-        static_ |= jit_static_names(fn) - state_ - broadcast_ - per_step_
-        state_at = _positions(state, analysis)
+        options = _options(fn, analysis, self._bound, state, broadcast, static_argnames, per_step)
         if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
             raise error(OptionError, BAD_NUM_STEPS, analysis, value=num_steps)
         if not (pack is False or pack is True or pack == "auto"):
             raise error(OptionError, BAD_PACK, analysis, value=pack)
         params = analysis.param_names
-        options = Options(
-            state=state_,
-            broadcast=broadcast_,
-            static=static_,
-            per_step=per_step_,
-            state_at=state_at,
-            instance=_instance_param(params, state_ | static_ | broadcast_),
-            bound=_bound_names(self._bound, params, analysis.variadic),
-        )
         self.num_steps = num_steps
         _check_flags(analysis, donate=donate, lazy=lazy, unroll=unroll)
         if num_steps > 1:
@@ -378,6 +357,40 @@ def _check_flags(analysis: Any, *, donate: Any, lazy: Any, unroll: Any) -> None:
             raise error(
                 OptionError, BAD_FLAG, analysis, option=option, value=value, allowed=allowed
             )
+
+
+def _options(
+    fn: Callable[..., Any],
+    analysis: Analysis,
+    bound: Bound,
+    state: str | Iterable[str] | Mapping[str, int] | None,
+    broadcast: str | Iterable[str] | None,
+    static_argnames: str | Iterable[str] | None,
+    per_step: str | Iterable[str] | None,
+) -> Options:
+    """The role options as parameter names (each checked against the source)."""
+    state_, broadcast_, static_, per_step_ = (
+        _names(value, option, analysis)
+        for value, option in (
+            (state, "state"),
+            (broadcast, "broadcast"),
+            (static_argnames, "static_argnames"),
+            (per_step, "per_step"),
+        )
+    )
+    # A `jax.jit(..., static_argnums=2)` under autoflat: its static arguments are static
+    # here too (its donation is autoflat's own: the state it carries).
+    static_ |= jit_static_names(fn) - state_ - broadcast_ - per_step_
+    params = analysis.param_names
+    return Options(
+        state=state_,
+        broadcast=broadcast_,
+        static=static_,
+        per_step=per_step_,
+        state_at=_positions(state, analysis),
+        instance=_instance_param(params, state_ | static_ | broadcast_),
+        bound=_bound_names(bound, params, analysis.variadic),
+    )
 
 
 def _names(value: Any, option: str, analysis: Any) -> frozenset[str]:
