@@ -103,3 +103,43 @@ def test_a_sum_s_weights_are_a_parameter_s_leaf_times_a_value_computed_from_othe
     assert [{w.param for w in ws} for ws in over.weighted] == [{"scale", "x"}]  # (each)
     assert average.weighted == stepped.weighted == normalised.weighted == (frozenset(),)
     assert stepped.direct == {"scale"}  # (a leaf times constants the data picks between)
+
+
+def test_a_callback_that_returns_nothing_is_no_part_of_the_flow():
+    """`jax.debug.print` in a step (an operation with no outputs), read when state is matched
+    by value at num_steps > 1, as in the README's step: it runs, in order, once a step."""
+    import optax
+
+    import autoflat
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(p):
+            return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        jax.debug.print("loss {l}", l=loss)
+        jax.lax.cond(loss > 0, lambda: jax.debug.callback(seen.append, loss), lambda: None)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    (z,) = _flows(lambda x: (jax.debug.print("{x}", x=x), x + 1.0)[1:], x=jnp.float32(1))
+    assert z.sources == {"x"}
+    tx = optax.adam(0.1)
+    params = {"w": jnp.ones((3, 2))}
+    xs = jnp.arange(24.0).reshape(4, 2, 3) / 10
+    batches = {"x": xs, "y": jnp.ones((4, 2, 2))}
+    seen: list = []
+    ref, ref_opt, ref_losses = params, tx.init(params), []
+    jitted = jax.jit(train_step)
+    for i in range(4):
+        ref, ref_opt, loss = jitted(ref, ref_opt, jax.tree.map(lambda b, i=i: b[i], batches))
+        ref_losses.append(float(loss))
+    jax.effects_barrier()
+    assert [float(v) for v in seen] == ref_losses
+    seen.clear()
+    step = autoflat.step(train_step, num_steps=4)
+    p, o, losses = step(params, tx.init(params), batches)
+    jax.effects_barrier()
+    assert [float(v) for v in seen] == ref_losses
+    assert losses.tolist() == ref_losses
+    assert jax.tree.map(lambda a, b: bool((a == b).all()), autoflat.unwrap(p), ref) == {"w": True}

@@ -272,6 +272,8 @@ def _walk(jaxpr: Any, ins: list[_Var], last: frozenset[str] | None = None) -> li
         return _LITERAL if _jax.is_literal(v) else known.get(v, _LITERAL)
 
     for eqn in _jax.equations(jaxpr):
+        if not _jax.outputs(eqn):
+            continue  # (a callback that returns nothing: `jax.debug.print`)
         got = [get(v) for v in _jax.inputs(eqn)]
         inner = _jax.called_jaxpr(eqn)
         branches = _jax.branches(eqn)
