@@ -622,6 +622,12 @@ shardings or roles differ from those it was lowered with. Lower it again for the
 (`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
 """
 
+SLICED_NOTE = """\
+autoflat: with num_steps={num_steps}, {listed} {are} sliced, one slice a step, because every \
+array in {them} has a leading axis of {num_steps} (rule leading-axis). If {one} is state or the \
+same every step, say so: @autoflat.step(num_steps={num_steps}, state="{first}") or \
+broadcast="{first}"."""
+
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"
 
 NOTHING_TO_RECOVER = """\

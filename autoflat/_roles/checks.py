@@ -221,8 +221,9 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
         found = _matching.places(
             [q for q in run.params if q in carried or q in run.counters or q == p], first
         )
-        # Only under a name like its own (`v2`): read off the source before any evaluation.
-        if found.get(p) in left and _matching.named_after(p, found[p], first.names):
+        # Only under a name that may be its own (`v2`, `updated`, `p_next` for `params`):
+        # read off the source before any evaluation.
+        if found.get(p) in left and _matching.may_name(p, found[p], first.names):
             places[p] = found[p]
     if not places:
         return

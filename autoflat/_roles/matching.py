@@ -350,11 +350,9 @@ def named_for(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
         return False
     if renamed(p, pos, names):
         return True
-    words = [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+    words = split_name(p)
     kept = [w for w in words if w not in _OLD]
-    return len(kept) < len(words) and kept == [
-        w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW
-    ]
+    return len(kept) < len(words) and kept == [w for w in split_name(name) if w not in _NEW]
 
 
 _OLD = frozenset({"prev", "previous", "last", "old", "past"})
@@ -365,6 +363,25 @@ def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     `loss` for `prev_loss`): the step's own words for `p`'s new value."""
     name = name_at(names, pos)
     return name is not None and bool(_words(name) & _words(p))
+
+
+def may_name(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether return position `pos` is a name that may say it holds `p`'s new value: one
+    sharing a word with it (`named_after`: `v2`, `new_v`, `newV`), one of words for new only
+    (`updated`, `new`), or one word (beside words for new) that begins `p`'s first word
+    (`p_next`, `p` for `params`; `w` for `weights`). Looser than `named_after`: it only makes
+    a reading worth asking about."""
+    name = name_at(names, pos)
+    if name is None:
+        return False
+    if named_after(p, pos, names):
+        return True
+    words = split_name(name)
+    kept = [w for w in words if w not in _NEW]
+    own = split_name(p)
+    if not kept:
+        return bool(words)
+    return len(kept) == 1 and bool(own) and own[0].startswith(kept[0])
 
 
 def name_at(names: tuple[str | None, ...], pos: int) -> str | None:
@@ -380,8 +397,8 @@ def renamed(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     name = name_at(names, pos)
     if name is None:
         return False
-    words = [w for w in re.split(r"[^a-z]+", name.lower()) if w and w not in _NEW]
-    own = [w for w in re.split(r"[^a-z]+", p.lower()) if w]
+    words = [w for w in split_name(name) if w not in _NEW]
+    own = split_name(p)
     return words == own or (len(words) == 1 and words[0] == "".join(own))  # (`vhat`, `v_hat`)
 
 
@@ -402,8 +419,17 @@ def _by_name(analysis: Analysis) -> str:
 
 
 def _words(name: str) -> set[str]:
-    """`new_ema_params` -> {new, ema, params}; `v2` -> {v}."""
-    return {w for w in re.split(r"[^a-z]+", name.lower()) if w}
+    """`new_ema_params` -> {new, ema, params}; `v2` -> {v}; `newP` -> {new, p}."""
+    return set(split_name(name))
+
+
+def split_name(name: str) -> list[str]:
+    """A name's words, lower case, digits dropped: `new_ema_params` -> [new, ema, params],
+    `v2` -> [v], camel case too: `newP` -> [new, p], `emaNew` -> [ema, new], `LR` -> [lr]."""
+    return [w.lower() for w in _WORD.findall(name)]
+
+
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 
 
 def settle_alike(
@@ -445,11 +471,8 @@ def settle_alike(
             for p, pos in flowing[0]
         }
 
-    def words(name: str | None) -> set[str]:
-        return {w for w in (name or "").lower().split("_") if w}
-
     def shared(a: tuple[tuple[str, int], ...]) -> int:
-        return sum(len(words(p) & words(names[pos])) for p, pos in a)
+        return sum(len(_words(p) & _words(names[pos] or "")) for p, pos in a)
 
     scored = sorted(((shared(a), a) for a in flowing or options), reverse=True)
     if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):

@@ -1199,6 +1199,76 @@ def test_rule_11_a_slice_given_back_under_another_name_is_asked_about():
     np.testing.assert_allclose(v, [0.0, 1.0, 2.0, 3.0])  # nothing consumed
 
 
+def _ensemble_steps():
+    """An ensemble of K members (leading axis K = num_steps) whose new value is returned
+    under a name sharing no word with it: camel case, a word for new only, an abbreviation."""
+
+    def camel(P, x):
+        newP = jax.vmap(lambda p: p - 0.1 * jnp.mean(x) * p)(P)
+        return newP, jnp.sum(newP)
+
+    def updated(ens, x):
+        updated = jax.vmap(lambda p: p - 0.1 * jnp.mean(x) * p)(ens)
+        return updated, jnp.sum(updated)
+
+    def abbreviated(params, x):
+        p_next = jax.vmap(lambda p: p - 0.1 * jnp.mean(x) * p)(params)
+        return p_next, jnp.sum(p_next)
+
+    return {"camel": camel, "updated": updated, "abbreviated": abbreviated}
+
+
+@claim(
+    PAGE,
+    "under a name that may be its new value (one sharing a word with it, `v2`, `new_v` or `newV`; words for new only, `updated`; a word that begins its name, `p_next` for `params`), and carried whole the step gives back its whole shape there (an ensemble of 4 members at `num_steps=4`)",
+)
+@pytest.mark.parametrize("kind", ["camel", "updated", "abbreviated"])
+def test_rule_11_an_ensemble_of_num_steps_members_under_another_name_is_asked_about(kind):
+    """Sliced per step, such an ensemble trains silently wrong (each step one member): a
+    name that may be its new value makes it a question, and `state=` gives `jax.jit`'s
+    result."""
+    update = _ensemble_steps()[kind]
+    param = next(iter(inspect.signature(update).parameters))
+    P = jnp.arange(12.0).reshape(K, 3)
+    xs = data(K, 3, seed=3)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(update, num_steps=K)(P, xs)
+    assert f'state="{param}"' in str(info.value) and f'per_step="{param}"' in str(info.value)
+    (ref,), _ = jit_loop(update, (P,), (xs,), K)
+    (got,), _ = step_loop(autoflat.step(update, num_steps=K, state=param), (P,), (xs,), K, K)
+    tree_allclose(got, ref, rtol=1e-6)
+
+
+@claim(
+    PAGE,
+    "Where slicing an argument per step makes the step's own trace fail (an ensemble in a dict, returned under another name), the error JAX raises carries a note that names the arguments sliced by their leading axis and `state=`",
+)
+def test_rule_11_a_trace_error_names_what_is_sliced_by_its_leading_axis():
+    """An ensemble in a dict (returned under another name, its slice fails to trace): the
+    error JAX raises says which arguments were sliced per step by their leading axis, and
+    the option that carries one whole."""
+
+    def estep(P, x):
+        def one(p):
+            loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(p)
+            return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+        newP, losses = jax.vmap(one)(P)
+        return newP, losses
+
+    P = {"w": jnp.stack([jnp.ones((3, 2)) * i for i in range(K)])}
+    xs = jnp.ones((K, 6, 3))
+    with pytest.raises(TypeError) as info:
+        autoflat.step(estep, num_steps=K)(P, xs)
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "`P` and `x` are sliced, one slice a step" in notes
+    assert f'@autoflat.step(num_steps={K}, state="P")' in notes
+    (ref,), _ = jit_loop(estep, (P,), (xs,), K)
+    (got,), _ = step_loop(autoflat.step(estep, num_steps=K, state="P"), (P,), (xs,), K, K)
+    tree_allclose(got, ref, rtol=1e-6)
+    tree_allclose(P["w"][2], jnp.full((3, 2), 2.0))  # the caller's state intact
+
+
 # Row 12: no-leading-axis
 
 
@@ -2975,7 +3045,7 @@ def test_a_short_first_call_is_asked_about():
 @claim(PAGE, "per-step values mapped one by one, or state?")
 @claim(
     PAGE,
-    "a bare array where the position is its place among the parameters that could be state, under a name that shares a word with it (`v2`, `new_v`), and carried whole the step gives back its whole shape there",
+    "a bare array where the position is its place among the parameters that could be state, under a name that may be its new value",
 )
 @claim(
     PAGE,
