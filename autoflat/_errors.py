@@ -245,6 +245,17 @@ Say which it is:
     @autoflat.step(num_steps={num_steps}, per_step="{param}")   # one slice per step
 """
 
+SLICED_FAILS = """\
+Calling `{name}` ({where}) with num_steps={num_steps}: every array of `{param}` has a leading \
+axis of {num_steps}, so it is read as a per-step input, one slice a step; so sliced, the step \
+fails to trace ({error}), and carried whole, as state, it traces. If `{param}` is state whose \
+first axis happens to be {num_steps} (an ensemble of {num_steps}), say so; if it is a per-step \
+input, the error is the step's own (per_step= shows it):
+
+    @autoflat.step(num_steps={num_steps}, state="{param}")      # carried from step to step
+    @autoflat.step(num_steps={num_steps}, per_step="{param}")   # one slice per step
+"""
+
 WRITTEN_PER_STEP = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: the body writes into `{param}` (line \
 {line}), which makes it state, carried from step to step and written back into your object; \
@@ -621,12 +632,6 @@ Calling the compiled `{name}` ({where}) with arguments whose structures, static 
 shardings or roles differ from those it was lowered with. Lower it again for these arguments \
 (`{name}.lower(...).compile()`), or call the step itself, which compiles as needed.
 """
-
-SLICED_NOTE = """\
-autoflat: with num_steps={num_steps}, {listed} {are} sliced, one slice a step, because every \
-array in {them} has a leading axis of {num_steps} (rule leading-axis). If {one} is state or the \
-same every step, say so: @autoflat.step(num_steps={num_steps}, state="{first}") or \
-broadcast="{first}"."""
 
 USER_ERROR_NOTE = "autoflat: raised in `{name}` at {where} (generated code: autoflat.show({name}))"
 

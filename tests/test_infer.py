@@ -3054,3 +3054,51 @@ def test_a_counter_given_back_at_another_number_s_place_is_its_own(epoch):
         for i in range(4):
             w, count = jax.jit(fn, static_argnums=len(rest) + 1)(w, *rest, epoch, count, xs[i])
         tree_allclose(got, (w, count))
+
+
+def _clip_update(p, g, lr):
+    return {"w": jnp.clip(p["w"] - lr * g["w"], -0.5, 0.5)}
+
+
+def _twin_critics(q1, q2, x):
+    """Twin critics with clipped updates: each new value computed from both (the target),
+    its last operation a clip, so the data flow ties and the names' digits tell them apart."""
+    t = jax.lax.stop_gradient(jnp.minimum(x @ q1["w"], x @ q2["w"]))
+    l1, g1 = jax.value_and_grad(lambda q: jnp.mean((x @ q["w"] - t - 1.0) ** 2))(q1)
+    l2, g2 = jax.value_and_grad(lambda q: jnp.mean((x @ q["w"] - t - 1.0) ** 2))(q2)
+    new_q1 = _clip_update(q1, g1, 0.1)
+    new_q2 = _clip_update(q2, g2, 0.05)
+    return new_q2, new_q1, l1 + l2
+
+
+@pytest.mark.parametrize("k", [1, K])
+def test_twins_told_apart_by_the_digits_of_their_names(k):
+    q1, q2 = {"w": jnp.array([0.3, -0.2, 0.1])}, {"w": jnp.array([-0.1, 0.4, 0.2])}
+    xs = _batches(8, (5, 3), seed=3)
+    ref = jax.jit(_twin_critics)
+    r1, r2 = q1, q2
+    for i in range(8):
+        r2, r1, _ = ref(r1, r2, xs[i])
+    step = autoflat.step(_twin_critics, num_steps=k)
+    a1, a2 = q1, q2
+    for start in range(0, 8, k):
+        a2, a1, _ = step(a1, a2, xs[start : start + k] if k > 1 else xs[start])
+    tree_allclose((a1, a2), (r1, r2), rtol=1e-6)
+    assert "# q1: state (matched by value" in autoflat.show(step)
+
+
+def _logged_batch(w, xs):
+    x = xs / 255.0
+    w = w + 0.01 * jnp.mean(x)
+    return w, x
+
+
+def test_a_per_step_input_logged_under_a_shorter_name_is_per_step():
+    """`x` for `xs` (no word for new): a preprocessed batch given back, per step, as the
+    leading axis says; no question asked."""
+    xs = _batches(K, (K,), seed=5)
+    (rw,), outs = _reference(_logged_batch, (jnp.zeros(K),), (xs,), K)
+    step = autoflat.step(_logged_batch, num_steps=K)
+    w, logged = step(jnp.zeros(K), xs)
+    tree_allclose(w, rw, rtol=1e-6)
+    tree_allclose(logged, jnp.stack([o[0] for o in outs]), rtol=1e-6)

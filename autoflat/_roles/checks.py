@@ -28,6 +28,7 @@ from .hazards import (
     check_array_per_step_returned,
     check_per_step_returned,
     check_rebound_per_step,
+    check_sliced_fails,
     raise_leading_axis_errors,
 )
 from .nesting import refuse_spread_flat, refuse_spread_state
@@ -227,12 +228,6 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
             places[p] = found[p]
     if not places:
         return
-    try:
-        outputs = positions_of(first, run.evaluate())
-    except Exception:
-        return  # the step's own trace raises it again, with its line
-    if not outputs:
-        return
 
     def whole(p: str) -> list[Any] | None:
         try:
@@ -243,6 +238,14 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
             return None  # carried whole, the step does not run: not state
         return positions_of(first, out)
 
+    try:
+        outputs = positions_of(first, run.evaluate())
+    except Exception as e:
+        traces = [p for p in places if whole(p) is not None]
+        check_sliced_fails(run.analysis, traces, e, run.num_steps)
+        return  # the step's own trace raises it again, with its line
+    if not outputs:
+        return
     check_array_per_step_returned(run.analysis, run.values, places, outputs, whole, run.num_steps)
 
 

@@ -38,6 +38,7 @@ from .._errors import (
     REBOUND_PER_STEP,
     RETURNED_PER_STEP,
     SHORT_FIRST_CHUNK,
+    SLICED_FAILS,
     WRITTEN_PER_STEP,
     ShapeError,
     StateError,
@@ -85,7 +86,13 @@ def check_per_step_returned(
     if out is None:
         try:
             out = eval_one_step(fn, params, values, for_eval, num_steps)
-        except Exception:
+        except Exception as e:
+            traces = [
+                p
+                for p in scanned
+                if _traces({**for_eval, p: "state"}, fn, params, values, num_steps)
+            ]
+            check_sliced_fails(analysis, traces, e, num_steps)
             return None  # the step's own trace raises it again, with its line
     outputs = positions_of(first, out)
     if not outputs:
@@ -104,6 +111,35 @@ def check_per_step_returned(
                 num_steps=num_steps,
             )
     return out
+
+
+def _traces(
+    for_eval: dict[str, Role], fn: Any, params: tuple[str, ...], values: dict[str, Any], k: int
+) -> bool:
+    """Whether one step evaluates with the roles `for_eval`."""
+    try:
+        eval_one_step(fn, params, values, for_eval, k)
+    except Exception:
+        return False
+    return True
+
+
+def check_sliced_fails(analysis: Analysis, traces: list[str], e: Exception, k: int) -> None:
+    """The step failed (`e`) to evaluate with arguments read as per-step by their leading axis
+    alone, one slice a step; `traces` are those with which carried whole, as state, it
+    evaluates: such a one may be state whose first axis happens to be num_steps (an ensemble
+    of 4 at num_steps=4, returned under a name that says nothing). The user says which,
+    rather than read JAX's shape error about a slice they never asked for."""
+    if traces:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise error(
+            ShapeError,
+            SLICED_FAILS,
+            analysis,
+            param=traces[0],
+            num_steps=k,
+            error=f"{type(e).__name__}: {first[:200]}",
+        ) from None
 
 
 def check_array_per_step_returned(

@@ -368,9 +368,9 @@ def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
 def may_name(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     """Whether return position `pos` is a name that may say it holds `p`'s new value: one
     sharing a word with it (`named_after`: `v2`, `new_v`, `newV`), one of words for new only
-    (`updated`, `new`), or one word (beside words for new) that begins `p`'s first word
-    (`p_next`, `p` for `params`; `w` for `weights`). Looser than `named_after`: it only makes
-    a reading worth asking about."""
+    (`updated`, `new`), or one word beside a word for new that begins `p`'s first word
+    (`p_next` for `params`, `new_w` for `weights`; not `x` alone for `xs`, a batch logged).
+    Looser than `named_after`: it only makes a reading worth asking about."""
     name = name_at(names, pos)
     if name is None:
         return False
@@ -381,7 +381,7 @@ def may_name(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     own = split_name(p)
     if not kept:
         return bool(words)
-    return len(kept) == 1 and bool(own) and own[0].startswith(kept[0])
+    return len(kept) == 1 < len(words) and bool(own) and own[0].startswith(kept[0])
 
 
 def name_at(names: tuple[str | None, ...], pos: int) -> str | None:
@@ -432,6 +432,15 @@ def split_name(name: str) -> list[str]:
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 
 
+def _tokens(name: str) -> set[str]:
+    """A name's words with their digits, lower case: `new_q1` -> {new, q1}, `criticParams2`
+    -> {critic, params2}; what tells twins apart (`settle_alike`)."""
+    return {w.lower() for w in _TOKEN.findall(name)}
+
+
+_TOKEN = re.compile(r"[A-Z]+(?![a-z])\d*|[A-Z]?[a-z]+\d*|\d+")
+
+
 def settle_alike(
     left: list[str],
     spots: list[int],
@@ -472,7 +481,7 @@ def settle_alike(
         }
 
     def shared(a: tuple[tuple[str, int], ...]) -> int:
-        return sum(len(_words(p) & _words(names[pos] or "")) for p, pos in a)
+        return sum(len(_tokens(p) & _tokens(names[pos] or "")) for p, pos in a)
 
     scored = sorted(((shared(a), a) for a in flowing or options), reverse=True)
     if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):

@@ -29,7 +29,6 @@ from .._errors import (
     BAD_SCAN_LENGTH,
     PER_STEP_AFTER_BROADCAST,
     PER_STEP_ECHO,
-    SLICED_NOTE,
     STRUCTURE_BROADCAST,
     STRUCTURE_BROADCAST_LONGER,
     STRUCTURE_BROADCAST_SHORTER,
@@ -37,7 +36,6 @@ from .._errors import (
     STRUCTURE_FIXED,
     STRUCTURE_RETURNED_PER_STEP,
     STRUCTURE_SCALAR,
-    AutoflatError,
     ShapeError,
     error,
 )
@@ -134,11 +132,7 @@ def _scan(
         _bad_length(spec, f"per-step inputs have a leading axis of {length}, more than num_steps")
 
     def checked(carry: Any, x: Any) -> Any:
-        try:
-            new_carry, ys = step(carry, x)
-        except (TypeError, ValueError) as e:
-            _note_sliced(spec, e)
-            raise
+        new_carry, ys = step(carry, x)
         captured(spec, new_carry, ys)
         for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
             for a, b in zip(old.arrays, new.arrays, strict=True):
@@ -150,30 +144,6 @@ def _scan(
         return new_carry, ys
 
     return jax.lax.scan(checked, init, xs, length=length, unroll=spec.unroll)
-
-
-def _note_sliced(spec: Any, e: Exception) -> None:
-    """To an error of the step's own trace (a shape or a type JAX refuses), add which
-    arguments are sliced per step by their leading axis alone (rule `leading-axis`): state
-    whose first axis happens to be num_steps (an ensemble of 4 at num_steps=4) fails so."""
-    roles = spec.program.roles
-    sliced = [
-        p
-        for p, role, rule in zip(roles.params, roles.roles, roles.rules, strict=True)
-        if role == "scanned" and rule == "leading-axis"
-    ]
-    if not sliced or isinstance(e, AutoflatError):
-        return
-    note = SLICED_NOTE.format(
-        num_steps=spec.num_steps,
-        listed=" and ".join(f"`{p}`" for p in sliced),
-        are="is" if len(sliced) == 1 else "are",
-        them="it" if len(sliced) == 1 else "them",
-        one="it" if len(sliced) == 1 else "one",
-        first=sliced[0],
-    )
-    if note not in getattr(e, "__notes__", ()):
-        e.add_note(note)
 
 
 def _changed(

@@ -1220,7 +1220,7 @@ def _ensemble_steps():
 
 @claim(
     PAGE,
-    "under a name that may be its new value (one sharing a word with it, `v2`, `new_v` or `newV`; words for new only, `updated`; a word that begins its name, `p_next` for `params`), and carried whole the step gives back its whole shape there (an ensemble of 4 members at `num_steps=4`)",
+    "under a name that may be its new value (one sharing a word with it, `v2`, `new_v` or `newV`; words for new only, `updated`; a word beginning its name beside a word for new, `p_next` for `params`), and carried whole the step gives back its whole shape there (an ensemble of 4 members at `num_steps=4`)",
 )
 @pytest.mark.parametrize("kind", ["camel", "updated", "abbreviated"])
 def test_rule_11_an_ensemble_of_num_steps_members_under_another_name_is_asked_about(kind):
@@ -1241,12 +1241,12 @@ def test_rule_11_an_ensemble_of_num_steps_members_under_another_name_is_asked_ab
 
 @claim(
     PAGE,
-    "Where slicing an argument per step makes the step's own trace fail (an ensemble in a dict, returned under another name), the error JAX raises carries a note that names the arguments sliced by their leading axis and `state=`",
+    "Where slicing an argument per step makes the step fail to trace and carrying it whole does not (an ensemble in a dict returned under another name, per-environment keys split under `new`), the `autoflat.ShapeError` quotes JAX's error and names `state=` and `per_step=`",
 )
-def test_rule_11_a_trace_error_names_what_is_sliced_by_its_leading_axis():
-    """An ensemble in a dict (returned under another name, its slice fails to trace): the
-    error JAX raises says which arguments were sliced per step by their leading axis, and
-    the option that carries one whole."""
+def test_rule_11_a_step_that_traces_only_with_an_argument_carried_whole_asks():
+    """An ensemble in a dict (returned under another name), and per-environment keys split
+    under `new`: sliced, the step fails to trace; carried whole it traces. autoflat asks,
+    quoting JAX's error; `state=` gives `jax.jit`'s result."""
 
     def estep(P, x):
         def one(p):
@@ -1256,17 +1256,29 @@ def test_rule_11_a_trace_error_names_what_is_sliced_by_its_leading_axis():
         newP, losses = jax.vmap(one)(P)
         return newP, losses
 
+    def envs(keys, x):
+        new = jax.vmap(lambda k: jax.random.split(k)[0])(keys)
+        return new, jax.vmap(jax.random.uniform)(keys) + x.sum()
+
     P = {"w": jnp.stack([jnp.ones((3, 2)) * i for i in range(K)])}
     xs = jnp.ones((K, 6, 3))
-    with pytest.raises(TypeError) as info:
+    with pytest.raises(autoflat.ShapeError) as info:
         autoflat.step(estep, num_steps=K)(P, xs)
-    notes = "\n".join(getattr(info.value, "__notes__", ()))
-    assert "`P` and `x` are sliced, one slice a step" in notes
-    assert f'@autoflat.step(num_steps={K}, state="P")' in notes
+    message = str(info.value)
+    assert "dot_general requires contracting dimensions" in message
+    assert 'state="P"' in message and 'per_step="P"' in message
     (ref,), _ = jit_loop(estep, (P,), (xs,), K)
     (got,), _ = step_loop(autoflat.step(estep, num_steps=K, state="P"), (P,), (xs,), K, K)
     tree_allclose(got, ref, rtol=1e-6)
     tree_allclose(P["w"][2], jnp.full((3, 2), 2.0))  # the caller's state intact
+    keys = jax.random.split(jax.random.key(0), K)
+    with pytest.raises(autoflat.ShapeError, match='state="keys"'):
+        autoflat.step(envs, num_steps=K)(keys, data(K, 3))
+    (ref,), _ = jit_loop(envs, (keys,), (data(K, 3),), K)
+    (got,), _ = step_loop(
+        autoflat.step(envs, num_steps=K, state="keys"), (keys,), (data(K, 3),), K, K
+    )
+    tree_allclose(got, ref)
 
 
 # Row 12: no-leading-axis
