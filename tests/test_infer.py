@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from claims.claim import claim
 from helpers import tree_allclose
 
 import autoflat
@@ -2677,6 +2678,42 @@ def test_loss_weights_beside_weighted_loss_parts_of_the_same_keys_are_asked_abou
     step = autoflat.step(_weighted_parts, num_steps=4, broadcast="weights")
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
     tree_allclose(got, _jit_loop(_weighted_parts, w0, start, True), rtol=1e-6)
+
+
+def _loss_parts(w, loss_weights, x, y):  # (the same, the names sharing a word)
+    def parts(w):
+        return {"ce": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(loss_weights[k] * v for k, v in parts(w).items()))(w)
+    loss_parts = {k: loss_weights[k] * v for k, v in parts(w).items()}
+    return w - 0.1 * g, loss_parts
+
+
+def _loss_parts_camel(w, lossWeights, x, y):  # noqa: N803 (camel case, as some code has it)
+    def parts(w):
+        return {"ce": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(lossWeights[k] * v for k, v in parts(w).items()))(w)
+    lossParts = {k: lossWeights[k] * v for k, v in parts(w).items()}  # noqa: N806
+    return w - 0.1 * g, lossParts
+
+
+@claim(
+    "docs/roles.md",
+    "nor is a word its returned name shares with it (only its own name, or it with a word for new, is)",
+)
+@claim("docs/roles.md", "`loss_parts` beside `loss_weights` too")
+@pytest.mark.parametrize("fn", [_loss_parts, _loss_parts_camel])
+def test_loss_weights_and_parts_sharing_a_word_of_their_names_are_asked_about(fn):
+    """`loss_weights` beside `loss_parts` (or `lossWeights`, `lossParts`): a word of the names
+    is no more evidence than the keys; only the dict's own name, or it with a word for new,
+    is."""
+    w0, start = jnp.ones(3), {"ce": jnp.float32(1.0), "l2": jnp.float32(0.01)}
+    param = list(inspect.signature(fn).parameters)[1]
+    with pytest.raises(autoflat.OptionError, match=f'broadcast="{param}"'):
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    got = autoflat.step(fn, num_steps=4, broadcast=param)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
 
 
 def _named_scale(w, ls, x, y):  # (a dynamic loss scale kept in a dict)

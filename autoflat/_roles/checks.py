@@ -160,6 +160,7 @@ def _refuse_carried_readings(run: Run, first: Return) -> None:
     refuse_unlinked(
         analysis, values, run.by_value, outputs, flow,
         lambda p, pos: _matching.named_after(p, pos, first.names),
+        lambda p, pos: _matching.renamed(p, pos, first.names),
         run.new_value_of, run.only_gradients(), num_steps, per_step, per_step | models,
     )  # fmt: skip
 
