@@ -2700,7 +2700,7 @@ def _loss_parts_camel(w, lossWeights, x, y):  # noqa: N803 (camel case, as some 
 
 @claim(
     "docs/roles.md",
-    "nor is a word its returned name shares with it (only its own name, or it with a word for new, is)",
+    "nor is a word its returned name shares with it beside others (only a name of its own words, beside words for new, is: `new_weights` for `expert_weights`)",
 )
 @claim("docs/roles.md", "`loss_parts` beside `loss_weights` too")
 @pytest.mark.parametrize("fn", [_loss_parts, _loss_parts_camel])
@@ -3139,3 +3139,39 @@ def test_a_per_step_input_logged_under_a_shorter_name_is_per_step():
     w, logged = step(jnp.zeros(K), xs)
     tree_allclose(w, rw, rtol=1e-6)
     tree_allclose(logged, jnp.stack([o[0] for o in outs]), rtol=1e-6)
+
+
+def _hedge(w, expert_weights, x, y):
+    """Hedge-style expert weights, each decayed by its expert's loss, returned as
+    `new_weights`: a name of the dict's own words (beside a word for new)."""
+    losses = {"a": jnp.mean((x @ w - y) ** 2), "b": jnp.mean((x @ (2.0 * w) - y) ** 2)}
+    new_weights = {k: expert_weights[k] * jnp.exp(-0.1 * losses[k]) for k in losses}
+    g = jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - 0.1 * g, new_weights
+
+
+def test_multiplicative_dict_state_under_a_name_of_its_own_words_is_carried():
+    w0, start = jnp.ones(3), {"a": jnp.float32(1.0), "b": jnp.float32(1.0)}
+    step = autoflat.step(_hedge, num_steps=4)
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(_hedge, w0, start, False), rtol=1e-6)
+    assert "# expert_weights: state (matched by value" in autoflat.show(step)
+
+
+def _indexes_too_deep(w, batch):
+    def loss_fn(w):  # (a bug: x is 2-D in a step; the whole chunk is 3-D)
+        return jnp.mean(batch["x"][:, :, 0]) * jnp.sum(w**2) + jnp.mean(batch["y"])
+
+    loss, g = jax.value_and_grad(loss_fn)(w)
+    w = w - 0.1 * g
+    return w, loss
+
+
+def test_a_bug_of_the_step_on_a_per_step_batch_is_its_own_error():
+    """Carried whole, the batch would make the buggy step trace, but nothing the step gives
+    back could be it: JAX's own error, with the step's line, as under `jax.jit`."""
+    batch = {"x": jnp.ones((K, 5, 3)), "y": jnp.ones((K, 5))}
+    with pytest.raises(IndexError, match="Too many indices"):
+        jax.jit(_indexes_too_deep)(jnp.ones(3), jax.tree.map(lambda a: a[0], batch))
+    with pytest.raises(IndexError, match="Too many indices"):
+        autoflat.step(_indexes_too_deep, num_steps=K)(jnp.ones(3), batch)

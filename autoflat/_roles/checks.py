@@ -22,7 +22,7 @@ from .._analysis.analysis import Analysis, Return
 from .._errors import STATE_NOT_MATCHED, OptionError, error
 from .._transport.structure import is_array
 from . import matching as _matching
-from .abstract import eval_one_step, positions_of
+from .abstract import eval_one_step, positions_of, same_value
 from .flow import Flow, scalar_container
 from .hazards import (
     check_array_per_step_returned,
@@ -160,7 +160,7 @@ def _refuse_carried_readings(run: Run, first: Return) -> None:
     refuse_unlinked(
         analysis, values, run.by_value, outputs, flow,
         lambda p, pos: _matching.named_after(p, pos, first.names),
-        lambda p, pos: _matching.renamed(p, pos, first.names),
+        lambda p, pos: _matching.named_within(p, pos, first.names),
         run.new_value_of, run.only_gradients(), num_steps, per_step, per_step | models,
     )  # fmt: skip
 
@@ -242,7 +242,11 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
     try:
         outputs = positions_of(first, run.evaluate())
     except Exception as e:
-        traces = [p for p in places if whole(p) is not None]
+        traces = [
+            p
+            for p in places
+            if (back := whole(p)) is not None and same_value(run.values[p], back[places[p]])
+        ]
         check_sliced_fails(run.analysis, traces, e, run.num_steps)
         return  # the step's own trace raises it again, with its line
     if not outputs:

@@ -90,7 +90,7 @@ def check_per_step_returned(
             traces = [
                 p
                 for p in scanned
-                if _traces({**for_eval, p: "state"}, fn, params, values, num_steps)
+                if _gives_back_whole(p, left, first, fn, params, values, for_eval, num_steps)
             ]
             check_sliced_fails(analysis, traces, e, num_steps)
             return None  # the step's own trace raises it again, with its line
@@ -113,23 +113,33 @@ def check_per_step_returned(
     return out
 
 
-def _traces(
-    for_eval: dict[str, Role], fn: Any, params: tuple[str, ...], values: dict[str, Any], k: int
+def _gives_back_whole(
+    p: str,
+    left: list[int],
+    first: Any,
+    fn: Any,
+    params: tuple[str, ...],
+    values: dict[str, Any],
+    for_eval: dict[str, Role],
+    k: int,
 ) -> bool:
-    """Whether one step evaluates with the roles `for_eval`."""
+    """Whether one step, with `p` carried whole, evaluates and gives back a value of `p`'s
+    whole structure, shapes and dtypes at an open return position (`left`)."""
     try:
-        eval_one_step(fn, params, values, for_eval, k)
+        out = eval_one_step(fn, params, values, {**for_eval, p: "state"}, k)
     except Exception:
         return False
-    return True
+    outputs = positions_of(first, out)
+    return any(pos < len(outputs) and same_value(values[p], outputs[pos]) for pos in left)
 
 
 def check_sliced_fails(analysis: Analysis, traces: list[str], e: Exception, k: int) -> None:
     """The step failed (`e`) to evaluate with arguments read as per-step by their leading axis
     alone, one slice a step; `traces` are those with which carried whole, as state, it
-    evaluates: such a one may be state whose first axis happens to be num_steps (an ensemble
-    of 4 at num_steps=4, returned under a name that says nothing). The user says which,
-    rather than read JAX's shape error about a slice they never asked for."""
+    evaluates and gives back their whole value at an open return position: such a one may be
+    state whose first axis happens to be num_steps (an ensemble of 4 at num_steps=4, returned
+    under a name that says nothing). The user says which, rather than read JAX's shape error
+    about a slice they never asked for (it stays attached, as the context)."""
     if traces:
         first = (str(e).strip().splitlines() or [""])[0]
         raise error(
@@ -139,7 +149,7 @@ def check_sliced_fails(analysis: Analysis, traces: list[str], e: Exception, k: i
             param=traces[0],
             num_steps=k,
             error=f"{type(e).__name__}: {first[:200]}",
-        ) from None
+        )
 
 
 def check_array_per_step_returned(

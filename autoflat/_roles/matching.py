@@ -384,6 +384,18 @@ def may_name(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
     return len(kept) == 1 < len(words) and bool(own) and own[0].startswith(kept[0])
 
 
+def named_within(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
+    """Whether return position `pos` is a name whose words, less words for new, are some of
+    `p`'s (`weights` or `new_weights` for `expert_weights`, `new_lr` for `lr_dict`): stricter
+    than `named_after`, where a word shared beside another (`loss_parts` for `loss_weights`)
+    counts too."""
+    name = name_at(names, pos)
+    if name is None:
+        return False
+    kept = {w for w in split_name(name) if w not in _NEW}
+    return bool(kept) and kept <= set(split_name(p))
+
+
 def name_at(names: tuple[str | None, ...], pos: int) -> str | None:
     """The name a `return` gives back at position `pos`, or None (an expression, or no such
     position)."""

@@ -230,7 +230,7 @@ def refuse_unlinked(
     outputs: list[Any],
     flow: Callable[[], list[Flow]],
     named: Callable[[str, int], bool],
-    renamed: Callable[[str, int], bool],
+    within: Callable[[str, int], bool],
     evidence: Callable[[str, int, bool], bool],
     gradients: set[int],
     num_steps: int,
@@ -243,8 +243,8 @@ def refuse_unlinked(
     or the position returns gradients in every `return` (`gradients`: computed from
     whatever the loss reads; unless the parameter's name says gradients, `prev_grads`),
     and nothing else says the position is its new value (`named`: a returned name sharing
-    a word with it, `g` for `prev_g`, for a dict its own name (`renamed`) where a leaf weighs
-    a value alone (below); for other than gradients, `evidence`: named parts
+    a word with it, `g` for `prev_g`; for a dict where a leaf weighs a value alone, below, a
+    name of its words alone (`within`); for other than gradients, `evidence`: named parts
     computed from it, an addition taking its own array): the type is all that links them
     (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
     returned gradients). For a container of scalar arrays also a leaf computed from it only
@@ -274,11 +274,11 @@ def refuse_unlinked(
             why, weighs_alone = found
             # (a dict's keys are no evidence where a leaf is a value of the step weighed by
             # it and nothing more: loss weights and the weighted loss parts share their keys
-            # by nature, and a word of their names (`loss_weights`, `loss_parts`): only its
-            # own name, or it with a word for new, says so; `d * ema["loss"] + (1 - d) * loss`
-            # keeps a running value)
+            # by nature, and a word of their names (`loss_weights`, `loss_parts`): only a
+            # name of its words alone, beside words for new, says so (`new_weights` for
+            # `expert_weights`); `d * ema["loss"] + (1 - d) * loss` keeps a running value)
             bare = weighs_alone and isinstance(values[p], dict)
-            if (renamed(p, pos) if bare else named(p, pos)) or evidence(p, pos, bare):
+            if (within(p, pos) if bare else named(p, pos)) or evidence(p, pos, bare):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,
