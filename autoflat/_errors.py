@@ -237,7 +237,7 @@ autoflat.{api} expected a function decorated with @autoflat.step, got {value!r}.
 PER_STEP_OR_STATE = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: every array of `{param}` has a leading \
 axis of {num_steps}, so it looks like a per-step input, but return position {position} gives back \
-a value with the structure, shapes and dtypes of one step's slice of it. If `{param}` is state \
+{given}. If `{param}` is state \
 whose first axis happens to be {num_steps}, slicing it per step would train the wrong thing. \
 Say which it is:
 

@@ -3175,3 +3175,29 @@ def test_a_bug_of_the_step_on_a_per_step_batch_is_its_own_error():
         jax.jit(_indexes_too_deep)(jnp.ones(3), jax.tree.map(lambda a: a[0], batch))
     with pytest.raises(IndexError, match="Too many indices"):
         autoflat.step(_indexes_too_deep, num_steps=K)(jnp.ones(3), batch)
+
+
+def _rnn(W, h, x):
+    """A hidden state of a batch of 4 carried across steps: at num_steps=4 `h` looks per-step,
+    and one step's slice of it, broadcast against the batch, gives back its whole shape."""
+    h_next = jnp.tanh(x @ W["wx"] + h @ W["wh"])
+    loss, g = jax.value_and_grad(lambda W: jnp.mean(jnp.tanh(x @ W["wx"] + h @ W["wh"]) ** 2))(W)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, W, g), h_next, loss
+
+
+@claim(
+    "docs/roles.md",
+    "so is one whose slice, broadcast against another per-step input, gives back its whole shape there (an RNN's hidden state `h` of a batch of 4 at `num_steps=4`, `return W, h_next, loss`)",
+)
+def test_a_hidden_state_of_a_batch_of_num_steps_is_asked_about():
+    W = {"wx": jnp.full((3, 5), 0.1), "wh": jnp.eye(5) * 0.5}
+    h0 = jnp.full((K, 5), 0.1)
+    xs = _batches(K, (K, 3), seed=7)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_rnn, num_steps=K)(W, h0, xs)
+    message = str(info.value)
+    assert "its whole shape computed from one step's slice of it" in message
+    assert 'state="h"' in message and 'per_step="h"' in message
+    (rW, rh), _ = _reference(_rnn, (W, h0), (xs,), K)
+    (gW, gh), _ = _run(autoflat.step(_rnn, num_steps=K, state="h"), (W, h0), (xs,), K, K)
+    tree_allclose((gW, gh), (rW, rh), rtol=1e-5)

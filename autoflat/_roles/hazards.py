@@ -109,6 +109,7 @@ def check_per_step_returned(
                 param=p,
                 position=hits[0],
                 num_steps=num_steps,
+                given=_SLICE,
             )
     return out
 
@@ -163,20 +164,34 @@ def check_array_per_step_returned(
     """A bare array whose leading axis is num_steps looks per-step (rule 10), but where the
     return position at its place among the parameters that could be state (`places`, where
     the step returns a name that shares a word with it: `v2 = v * 0.5 + ...`, `return v2`)
-    gives back one step's slice of it, and the same step with it carried whole (`carried`: that
-    evaluation's positions) gives back its whole shape there, both readings type-check:
+    gives back one step's slice of it (or its whole shape, from the slice broadcast against
+    another per-step input: an RNN's `h` of a batch of 4 at num_steps=4), and the same step
+    with it carried whole (`carried`: that evaluation's positions) gives back its whole shape
+    there, both readings type-check:
     per-step values mapped one by one, or state whose first axis happens to be num_steps
     (with shape (3,) at num_steps=4 it is matched as state). Either guess trains silently
     wrong when it is the other: the user says which."""
     for p, pos in places.items():
         rebuild, abstract = abstract_leaves(values[p], drop_axis=True)
-        if not same_value(rebuild(abstract), outputs[pos]):
+        if same_value(rebuild(abstract), outputs[pos]):
+            given = _SLICE
+        elif same_value(values[p], outputs[pos]):
+            given = _WHOLE  # (an RNN's hidden state of a batch of num_steps, `x @ wx + h @ wh`)
+        else:
             continue
         whole = carried(p)
         if whole and same_value(values[p], whole[pos]):
             raise error(
-                ShapeError, PER_STEP_OR_STATE, analysis, param=p, position=pos, num_steps=num_steps
-            )
+                ShapeError, PER_STEP_OR_STATE, analysis, param=p, position=pos,
+                num_steps=num_steps, given=given,
+            )  # fmt: skip
+
+
+_SLICE = "a value with the structure, shapes and dtypes of one step's slice of it"
+_WHOLE = (
+    "a value with its whole shape computed from one step's slice of it (broadcast against "
+    "another per-step input: a hidden state of a batch of num_steps examples)"
+)
 
 
 def check_written_per_step(
