@@ -22,6 +22,7 @@ from .._analysis.analysis import Analysis, Return
 from .._errors import STATE_NOT_MATCHED, OptionError, error
 from .._transport.structure import is_array
 from . import matching as _matching
+from . import names as _names
 from .abstract import eval_one_step, positions_of, same_value
 from .flow import Flow, scalar_container
 from .hazards import (
@@ -159,8 +160,8 @@ def _refuse_carried_readings(run: Run, first: Return) -> None:
     models = frozenset(p for p in run.given_back() if _of_a_model(values[p]))
     refuse_unlinked(
         analysis, values, run.by_value, outputs, flow,
-        lambda p, pos: _matching.named_after(p, pos, first.names),
-        lambda p, pos: _matching.named_within(p, pos, first.names),
+        lambda p, pos: _names.named_after(p, pos, first.names),
+        lambda p, pos: _names.named_within(p, pos, first.names),
         run.new_value_of, run.only_gradients(), num_steps, per_step, per_step | models,
     )  # fmt: skip
 
@@ -225,7 +226,7 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
         )
         # Only under a name that may be its own (`v2`, `updated`, `p_next` for `params`):
         # read off the source before any evaluation.
-        if found.get(p) in left and _matching.may_name(p, found[p], first.names):
+        if found.get(p) in left and _names.may_name(p, found[p], first.names):
             places[p] = found[p]
     if not places:
         return

@@ -63,6 +63,7 @@ from .._errors import (
 from .._handles.nnx import opaque_module
 from .._transport.structure import is_array
 from . import matching as _matching
+from . import names as _names
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
 from .checks import check_matches, check_state_positions
 from .flow import Flow, flows, flows_traced
@@ -548,7 +549,7 @@ class Inference:
             return True
         if additions_only:
             return False
-        if first.kind == "tuple" and _matching.renamed(p, pos, first.names):
+        if first.kind == "tuple" and _names.renamed(p, pos, first.names):
             return p in self.flow_of(first)()[pos].sources  # (`new_total = loss + total`)
         return has_named_parts(self.values[p]) and p in self.flow_of(first)()[pos].sources
 

@@ -5,15 +5,14 @@ back which parameter.
 structure, shapes, dtypes) equals theirs: a container anywhere, a bare array only at its own
 place among the parameters that can come back through a return (`places`), a PRNG key also
 where nothing else fits (`is_key`). Parameters alike are settled by the step's data flow,
-then by names (`settle_alike`); Python numbers given back changed at their place are
-counters (`counters`). A single `return f(...)` giving a tuple or a dict can be taken item
-by item (`unpackable`).
+then by names (`settle_alike`; the word rules are `names`'s); Python numbers given back
+changed at their place are counters (`counters`). A single `return f(...)` giving a tuple
+or a dict can be taken item by item (`unpackable`).
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from .._errors import (
 from .._transport.structure import is_array
 from .abstract import is_copy, same_value
 from .flow import Flow
+from .names import extreme_named, name_at, named_after, named_for, renamed, tokens
 
 
 def match(
@@ -286,14 +286,14 @@ def linked(
     logs a loss weighed by `temp`: `flow.Weight`). Not `p` times a factor the step picks
     given back under a name of its own (`_picked_renamed`), nor a maximum or a minimum
     taking `p` (`_extreme_only`: a running `best` or a clamp's `floor`) unless the name says
-    which (`named_for`, or a shared word for an extreme: `_extreme_named`)."""
+    which (`named_for`, or a shared word for an extreme: `names.extreme_named`)."""
     if _picked_renamed(p, pos, flow, names):
         return False
     here = flow()[pos]
     if named_for(p, pos, names):
         return True
     if _extreme_only(p, here):
-        return _extreme_named(p, pos, names)
+        return extreme_named(p, pos, names)
     if p in here.direct:
         return True
     weighed = any(w.param == p and w.by - {p} for ws in here.weighted for w in ws)
@@ -307,19 +307,6 @@ def _extreme_only(p: str, here: Flow) -> bool:
     (`Flow.reused`: AMSGrad's `v_hat_t = jnp.maximum(v_hat, v_t)` in the update) is a value
     it carries on."""
     return any(p in taken for taken in here.extremes) and not any(here.reused)
-
-
-def _extreme_named(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether the name at return position `pos` shares with `p` a word for a running
-    extreme (`new_best` for `best_loss`, `running_max` for `max_gnorm`, `cur_min` for
-    `min_val`): a clamp's bound and the clamped value share none (`loss` for `loss_floor`)."""
-    name = name_at(names, pos)
-    return name is not None and bool(_words(name) & _words(p) & _EXTREME_WORDS)
-
-
-_EXTREME_WORDS = frozenset(
-    {"best", "worst", "max", "min", "amax", "amin", "peak", "highest", "lowest", "record"}
-)
 
 
 def _picked_renamed(
@@ -340,117 +327,12 @@ def _picked_renamed(
     )
 
 
-def named_for(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether return position `pos` is `p`'s name for its new value (`renamed`: `v`,
-    `new_v`, `v2`) or `p`'s name without a word for previous (`loss` for `prev_loss`, `g` for
-    `last_g`): stricter than `named_after`, where a shared word alone (`kl` for `kl_weight`,
-    `loss` for `loss_scale` or `best_loss`) says nothing."""
-    name = name_at(names, pos)
-    if name is None:
-        return False
-    if renamed(p, pos, names):
-        return True
-    words = split_name(p)
-    kept = [w for w in words if w not in _OLD]
-    return len(kept) < len(words) and kept == [w for w in split_name(name) if w not in _NEW]
-
-
-_OLD = frozenset({"prev", "previous", "last", "old", "past"})
-
-
-def named_after(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether return position `pos` is a name that shares a word with `p` (`new_v`, `v2`,
-    `loss` for `prev_loss`): the step's own words for `p`'s new value."""
-    name = name_at(names, pos)
-    return name is not None and bool(_words(name) & _words(p))
-
-
-def may_name(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether return position `pos` is a name that may say it holds `p`'s new value: one
-    sharing a word with it (`named_after`: `v2`, `new_v`, `newV`), one of words for new only
-    (`updated`, `new`), or one word beside a word for new that begins `p`'s first word
-    (`p_next` for `params`, `new_w` for `weights`; not `x` alone for `xs`, a batch logged).
-    Looser than `named_after`: it only makes a reading worth asking about."""
-    name = name_at(names, pos)
-    if name is None:
-        return False
-    if named_after(p, pos, names):
-        return True
-    words = split_name(name)
-    kept = [w for w in words if w not in _NEW]
-    own = split_name(p)
-    if not kept:
-        return bool(words)
-    return len(kept) == 1 < len(words) and bool(own) and own[0].startswith(kept[0])
-
-
-def named_within(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether return position `pos` is a name whose words, less words for new, are some of
-    `p`'s (`weights` or `new_weights` for `expert_weights`, `new_lr` for `lr_dict`): stricter
-    than `named_after`, where a word shared beside another (`loss_parts` for `loss_weights`)
-    counts too."""
-    name = name_at(names, pos)
-    if name is None:
-        return False
-    kept = {w for w in split_name(name) if w not in _NEW}
-    return bool(kept) and kept <= set(split_name(p))
-
-
-def name_at(names: tuple[str | None, ...], pos: int) -> str | None:
-    """The name a `return` gives back at position `pos`, or None (an expression, or no such
-    position)."""
-    return names[pos] if pos < len(names) else None
-
-
-def renamed(p: str, pos: int, names: tuple[str | None, ...]) -> bool:
-    """Whether return position `pos` is `p`'s own name, or it with a word for new (`new_ema`,
-    `ema_next`, `ema2` for `ema`): stricter than `named_after`, where a shared word alone
-    (`loss` for `loss_weight`, `distill_loss` for `distill_weight`) says nothing."""
-    name = name_at(names, pos)
-    if name is None:
-        return False
-    words = [w for w in split_name(name) if w not in _NEW]
-    own = split_name(p)
-    return words == own or (len(words) == 1 and words[0] == "".join(own))  # (`vhat`, `v_hat`)
-
-
-_NEW = frozenset({"new", "next", "updated", "upd"})
-
-
-def names_gradients(p: str) -> bool:
-    """Whether the parameter's name says it holds gradients (`prev_grads`, `last_g`)."""
-    return bool(_words(p) & {"g", "grad", "grads", "gradient", "gradients"})
-
-
 def _by_name(analysis: Analysis) -> str:
     """For AMBIGUOUS_STATE: that the step returns no parameter by name, where that is so."""
     params = analysis.param_names
     if any(name in params for r in analysis.returns for name in r.names):
         return ""
     return ", and the step does not return its state by name"
-
-
-def _words(name: str) -> set[str]:
-    """`new_ema_params` -> {new, ema, params}; `v2` -> {v}; `newP` -> {new, p}."""
-    return set(split_name(name))
-
-
-def split_name(name: str) -> list[str]:
-    """A name's words, lower case, digits dropped: `new_ema_params` -> [new, ema, params],
-    `v2` -> [v], camel case too: `newP` -> [new, p], `emaNew` -> [ema, new], `LR` -> [lr]."""
-    return [w.lower() for w in _WORD.findall(name)]
-
-
-_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
-
-
-def _tokens(name: str) -> set[str]:
-    """A name's words with their digits, lower case: `new_q1` -> {new, q1}, `criticParams2`
-    -> {critic, params2}; what tells twins apart (`settle_alike`)."""
-    return {w.lower() for w in _TOKEN.findall(name)}
-
-
-_TOKEN = re.compile(r"[A-Z]+(?![a-z])\d*|[A-Z]?[a-z]+\d*|\d+")
 
 
 def settle_alike(
@@ -493,7 +375,7 @@ def settle_alike(
         }
 
     def shared(a: tuple[tuple[str, int], ...]) -> int:
-        return sum(len(_tokens(p) & _tokens(names[pos] or "")) for p, pos in a)
+        return sum(len(tokens(p) & tokens(names[pos] or "")) for p, pos in a)
 
     scored = sorted(((shared(a), a) for a in flowing or options), reverse=True)
     if scored and scored[0][0] > 0 and (len(scored) == 1 or scored[1][0] < scored[0][0]):

@@ -21,7 +21,7 @@ from .._errors import NUMBER_ADDED, NUMBER_RENAMED, OptionError, error
 from .._handles.writeback import is_mutable_module
 from .abstract import SCALARS, eval_one_step, positions_of
 from .flow import SUMS, Flow
-from .matching import name_at, renamed
+from .names import name_at, renamed
 from .options import Role
 from .roles import Roles
 

@@ -43,7 +43,8 @@ from .._errors import (
 from .._transport.structure import is_array
 from .abstract import same_value
 from .flow import Flow, scalar_container
-from .matching import is_key, name_at, names_gradients
+from .matching import is_key
+from .names import name_at, names_gradients
 from .options import Options
 
 
