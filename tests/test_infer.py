@@ -3201,3 +3201,104 @@ def test_a_hidden_state_of_a_batch_of_num_steps_is_asked_about():
     (rW, rh), _ = _reference(_rnn, (W, h0), (xs,), K)
     (gW, gh), _ = _run(autoflat.step(_rnn, num_steps=K, state="h"), (W, h0), (xs,), K, K)
     tree_allclose((gW, gh), (rW, rh), rtol=1e-5)
+
+
+def _rnn_expression(W, h, x):
+    """`_rnn`, its hidden state returned as an expression: no name to go by."""
+    h_next = jnp.tanh(x @ W["wx"] + h @ W["wh"])
+    loss, g = jax.value_and_grad(lambda W: jnp.mean(jnp.tanh(x @ W["wx"] + h @ W["wh"]) ** 2))(W)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, W, g), jax.lax.stop_gradient(h_next), loss
+
+
+def _lstm_tuple(W, carry, x):
+    """An LSTM-style carry `(h, c)` of a batch of 4, written as a tuple in the return."""
+    h, c = carry
+
+    def loss_fn(W):
+        c_new = 0.9 * c + jnp.tanh(x @ W["wx"] + h @ W["wh"])
+        h_new = jnp.tanh(c_new)
+        return jnp.mean(h_new**2), (h_new, c_new)
+
+    (loss, (h_new, c_new)), g = jax.value_and_grad(loss_fn, has_aux=True)(W)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, W, g), (h_new, c_new), loss
+
+
+def _lstm_dict(W, state, x):
+    """The same carry as a dict written in the return, the weights only read."""
+    c_new = 0.9 * state["c"] + jnp.tanh(x @ W["wx"] + state["h"] @ W["wh"])
+    h_new = jnp.tanh(c_new)
+    return W, {"h": h_new, "c": c_new}, jnp.mean(h_new**2)
+
+
+@claim(
+    "docs/roles.md",
+    "and so at any open return position computed from it, where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`)",
+)
+@pytest.mark.parametrize(
+    ("update", "name", "carry"),
+    [
+        (_rnn_expression, "h", lambda h: h),
+        (_lstm_tuple, "carry", lambda h: (h, h + 0.1)),
+        (_lstm_dict, "state", lambda h: {"h": h, "c": h + 0.1}),
+    ],
+)
+def test_a_carry_of_a_batch_of_num_steps_given_back_unnamed_is_asked_about(update, name, carry):
+    """Sliced per step, each step would start from one row of the last chunk's carry (all
+    three trained silently wrong before)."""
+    W = {"wx": jnp.full((3, 5), 0.1), "wh": jnp.eye(5) * 0.5}
+    c0 = carry(jnp.full((K, 5), 0.1))
+    xs = _batches(2 * K, (K, 3), seed=7)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(update, num_steps=K)(W, c0, xs[:K])
+    message = str(info.value)
+    assert f"every array of `{name}` has a leading axis of 4" in message
+    assert "return position 1 gives back a value with its whole" in message
+    assert f'state="{name}"' in message and f'per_step="{name}"' in message
+    ref, _ = _reference(update, (W, c0), (xs,), 2 * K)
+    got, _ = _run(autoflat.step(update, num_steps=K, state=name), (W, c0), (xs,), 2 * K, K)
+    tree_allclose(autoflat.unwrap(got), ref, rtol=1e-5)
+
+
+def _predictions_of_a_batch(w, x, y):
+    """Residuals of a batch of 4 at num_steps=4, computed from the labels: of one step's
+    slice's shape, a per-step output, as the leading axis says."""
+    pred = x @ w
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    return w - 0.1 * g, pred - y, loss
+
+
+def test_a_per_step_output_of_a_slice_s_shape_is_not_asked_about():
+    w0 = jnp.full((3,), 0.1)
+    xs, ys = _batches(K, (K, 3), seed=3), _batches(K, (K,), seed=4)
+    (rw,), routs = _reference(_predictions_of_a_batch, (w0,), (xs, ys), K)
+    (gw,), gouts = _run(autoflat.step(_predictions_of_a_batch, num_steps=K), (w0,), (xs, ys), K, K)
+    tree_allclose(gw, rw, rtol=1e-5)
+    tree_allclose(gouts[0][0], jnp.stack([o[0] for o in routs]), rtol=1e-5)
+
+
+def _envs_raw_keys(w, keys, x):
+    """Per-environment raw keys (4 environments at num_steps=4) split under `new_keys`,
+    beside weights given back as an expression (matched by value)."""
+    split = jax.vmap(jax.random.split)(keys)
+    new_keys, subs = split[:, 0], split[:, 1]
+    noise = jax.vmap(lambda k: jax.random.normal(k, (3,)))(subs)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w + noise.mean()) ** 2))(w)
+    return w - 0.1 * g, new_keys, loss
+
+
+def test_per_environment_keys_that_fail_sliced_while_matching_ask():
+    """The step fails sliced while state is matched by value (before the checks): the
+    question still, quoting JAX's key error (which raised bare before)."""
+    keys = jax.random.split(jax.random.PRNGKey(0), K)
+    w0, xs = jnp.full((3,), 0.1), _batches(2 * K, (5, 3), seed=2)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_envs_raw_keys, num_steps=K)(w0, keys, xs[:K])
+    message = str(info.value)
+    assert "invalid PRNG key data" in message
+    assert 'state="keys"' in message and 'per_step="keys"' in message
+    assert isinstance(info.value.__context__, TypeError)
+    ref, _ = _reference(_envs_raw_keys, (w0, keys), (xs,), 2 * K)
+    got, _ = _run(
+        autoflat.step(_envs_raw_keys, num_steps=K, state="keys"), (w0, keys), (xs,), 2 * K, K
+    )
+    tree_allclose(got, ref, rtol=1e-5)

@@ -13,6 +13,7 @@ each is traced at most once per first call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from .hazards import (
     check_per_step_returned,
     check_rebound_per_step,
     check_sliced_fails,
+    check_whole_per_step,
     raise_leading_axis_errors,
 )
 from .nesting import refuse_spread_flat, refuse_spread_state
@@ -102,6 +104,7 @@ def check_matches(run: Run) -> None:
             given_back, run.open_positions, first, run.out, run.num_steps,
         )  # fmt: skip
         _check_arrays_per_step(run, first, set(given_back.values()))
+        _check_whole_per_step(run, first, set(given_back.values()))
     raise_leading_axis_errors(
         run.analysis,
         {p: k for p, k in run.kinds.items() if p not in given_back},
@@ -231,14 +234,7 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
     if not places:
         return
 
-    def whole(p: str) -> list[Any] | None:
-        try:
-            out = eval_one_step(
-                run.fn, run.params, run.values, {**run.for_eval, p: "state"}, run.num_steps
-            )
-        except Exception:
-            return None  # carried whole, the step does not run: not state
-        return positions_of(first, out)
+    whole = functools.partial(_carried_whole, run, first)
 
     try:
         outputs = positions_of(first, run.evaluate())
@@ -259,3 +255,45 @@ def _of_a_model(value: Any) -> bool:
     """Whether state is more than scalars (a counter, a schedule's step, a tuple of them):
     what a loss is computed from, with the batch (`state_hazards._weighs`)."""
     return not (scalar_container(value) or (is_array(value) and value.shape == ()))
+
+
+def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
+    """An argument taken per-step by its leading axis (rule 10) that one step gives back
+    with its whole structure and shapes at an open return position computed from it, an
+    expression or a container written in the return as much as a name: refused where
+    carried whole it is given back so too (`hazards.check_whole_per_step`). The data flow
+    is read only where such a shape is given back."""
+    left = [pos for pos in run.open_positions if pos not in taken]
+    scanned = [
+        p for p in run.open if run.kinds.get(p) == "scanned" and p not in run.options.per_step
+    ]
+    if not (left and scanned):
+        return
+    try:
+        outputs = positions_of(first, run.evaluate())
+    except Exception:
+        return  # (the step's own trace raises it, with its line)
+    shaped = {
+        p: [pos for pos in left if pos < len(outputs) and same_value(run.values[p], outputs[pos])]
+        for p in scanned
+    }
+    if not any(shaped.values()):
+        return
+    flows = run.flow_of(first)()
+    hits = {p: [pos for pos in at if p in flows[pos].sources] for p, at in shaped.items()}
+    check_whole_per_step(
+        run.analysis, run.values, hits, functools.partial(_carried_whole, run, first),
+        run.num_steps,
+    )  # fmt: skip
+
+
+def _carried_whole(run: Run, first: Return, p: str) -> list[Any] | None:
+    """One step's return positions with `p` carried whole, as state; None where so the step
+    does not evaluate (then `p` is not state)."""
+    try:
+        out = eval_one_step(
+            run.fn, run.params, run.values, {**run.for_eval, p: "state"}, run.num_steps
+        )
+    except Exception:
+        return None
+    return positions_of(first, out)

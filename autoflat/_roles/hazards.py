@@ -90,7 +90,7 @@ def check_per_step_returned(
             traces = [
                 p
                 for p in scanned
-                if _gives_back_whole(p, left, first, fn, params, values, for_eval, num_steps)
+                if gives_back_whole(p, left, first, fn, params, values, for_eval, num_steps)
             ]
             check_sliced_fails(analysis, traces, e, num_steps)
             return None  # the step's own trace raises it again, with its line
@@ -114,7 +114,7 @@ def check_per_step_returned(
     return out
 
 
-def _gives_back_whole(
+def gives_back_whole(
     p: str,
     left: list[int],
     first: Any,
@@ -184,6 +184,32 @@ def check_array_per_step_returned(
             raise error(
                 ShapeError, PER_STEP_OR_STATE, analysis, param=p, position=pos,
                 num_steps=num_steps, given=given,
+            )  # fmt: skip
+
+
+def check_whole_per_step(
+    analysis: Analysis,
+    values: dict[str, Any],
+    hits: dict[str, list[int]],
+    carried: Callable[[str], list[Any] | None],
+    num_steps: int,
+) -> None:
+    """An argument read as per-step by its leading axis alone (rule 10) that one step,
+    reading it sliced, gives back with its whole structure and shapes at an open return
+    position computed from it (`hits`), and that the same step, with it carried whole
+    (`carried`: that evaluation's positions), gives back so there too: the hidden state of
+    an RNN whose batch happens to be num_steps (each step's slice broadcast against the
+    step's batch of 4 at num_steps=4), returned as an expression (`stop_gradient(h_new)`)
+    or as a tuple or dict written in the return (`(h_new, c_new)`). Both readings
+    type-check; sliced, each step would start from one row of the last chunk's carry: the
+    user says which."""
+    for p, at in hits.items():
+        whole = carried(p) if at else None
+        pos = next((pos for pos in at if whole and same_value(values[p], whole[pos])), None)
+        if pos is not None:
+            raise error(
+                ShapeError, PER_STEP_OR_STATE, analysis, param=p, position=pos,
+                num_steps=num_steps, given=_WHOLE,
             )  # fmt: skip
 
 

@@ -69,7 +69,9 @@ from .checks import check_matches, check_state_positions
 from .flow import Flow, flows, flows_traced
 from .hazards import (
     check_returned_as_it_came_per_step,
+    check_sliced_fails,
     check_written_per_step,
+    gives_back_whole,
     leading_axis_error,
     raise_leading_axis_errors,
     refuse_nested_modules,
@@ -206,8 +208,34 @@ class Inference:
                     self.analysis, self.kinds, self.deferred, self.values, self.num_steps,
                     self.options, e,
                 )  # fmt: skip
+                self._probe_sliced(e)
                 raise
         return self.out
+
+    def _probe_sliced(self, e: Exception) -> None:
+        """The step failed (`e`) with arguments taken per-step by their leading axis alone:
+        where one of them, carried whole, makes it trace and is given back whole at an open
+        return position (per-environment keys split under `new_keys`), the question of
+        `hazards.check_sliced_fails` rather than JAX's error about a slice."""
+        if self.num_steps == 1 or self.first is None or not self.open_positions:
+            return
+        traces = [
+            p
+            for p in self.params
+            if self.kinds.get(p) == "scanned"
+            and p not in self.options.per_step
+            and gives_back_whole(
+                p,
+                self.open_positions,
+                self.first,
+                self.fn,
+                self.params,
+                self.values,
+                self.for_eval,
+                self.num_steps,
+            )  # fmt: skip
+        ]
+        check_sliced_fails(self.analysis, traces, e, self.num_steps)
 
     def refuse_arguments(self) -> None:
         """Refuse what no rule can take: a written argument that looks per-step, an object

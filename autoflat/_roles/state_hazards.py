@@ -262,8 +262,6 @@ def refuse_unlinked(
     for p, pos in by_value.items():
         if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(values[p])):
             continue
-        if named(p, pos) and not isinstance(values[p], dict):
-            continue
         if pos in gradients:
             if named(p, pos) or names_gradients(p):  # (`prev_grads` given the new gradients)
                 continue
@@ -273,13 +271,16 @@ def refuse_unlinked(
             if found is None:
                 continue
             why, weighs_alone = found
-            # (a dict's keys are no evidence where a leaf is a value of the step weighed by
-            # it and nothing more: loss weights and the weighted loss parts share their keys
-            # by nature, and a word of their names (`loss_weights`, `loss_parts`): only a
-            # name of its words alone, beside words for new, says so (`new_weights` for
-            # `expert_weights`); `d * ema["loss"] + (1 - d) * loss` keeps a running value)
+            # (a word shared beside another is no evidence where a leaf says metric: a tuple
+            # of clip bounds beside the clipped gradients' extremes (`clip_bounds`,
+            # `clip_stats`), loss weights beside the weighted loss parts (`loss_weights`,
+            # `loss_parts`): only a name of its words alone, beside words for new, says so
+            # (`new_clip`, `new_weights` for `expert_weights`). Nor are a dict's keys where a
+            # leaf is a value of the step weighed by it and nothing more: loss weights and
+            # loss parts share their keys by nature; `d * ema["loss"] + (1 - d) * loss` keeps
+            # a running value)
             bare = weighs_alone and isinstance(values[p], dict)
-            if (within(p, pos) if bare else named(p, pos)) or evidence(p, pos, bare):
+            if within(p, pos) or evidence(p, pos, bare):
                 continue
         raise error(
             OptionError, STATE_UNLINKED, analysis, param=p, pos=pos, why=why,

@@ -3111,7 +3111,7 @@ def test_a_container_of_num_steps_entries_is_asked_about_at_any_position():
 
 @claim(
     PAGE,
-    "An expression at that place (`return key, noise + x`) or a value that fits one step only (`v_sum = jnp.sum(v * x)`) is a per-step output, as the leading axis says.",
+    "An expression of one step's slice's shape at that place (`return key, noise + x`) or a value that fits one step only (`v_sum = jnp.sum(v * x)`) is a per-step output, as the leading axis says.",
 )
 def test_expressions_and_one_step_values_are_per_step_outputs():
     def noisy(key, x):
@@ -4405,7 +4405,7 @@ def test_a_python_number_summed_at_its_place_is_state():
 
 @claim(
     PAGE,
-    'With `num_steps > 1`, a container matched by its type alone, where some leaf of the position is neither computed from it nor another argument given back as it came or made from per-step arguments alone (the input in an RNN carry `(h, x)` or `(h, x / 2)`) and nothing else says the position is its new value (one of the above, or a returned name sharing a word with it: `g` for `prev_g`; gradients given back for a parameter named for them, `prev_grads`, are its new value), such as a tuple of clip bounds `(lo, hi)` beside a metrics tuple `(loss, jnp.mean(w))`, or a teacher\'s parameters beside the gradients returned, is an `autoflat.OptionError` naming that leaf: carried, every step would start from what may be a metric; `state={"bounds": 2}` or `broadcast="bounds"` says which it is.',
+    'With `num_steps > 1`, a container matched by its type alone, where some leaf of the position is neither computed from it nor another argument given back as it came or made from per-step arguments alone (the input in an RNN carry `(h, x)` or `(h, x / 2)`) and nothing else says the position is its new value (one of the above, or a returned name of its own words, beside words for new: `g` for `prev_g`, `new_bounds` for `clip_bounds`, where `clip_stats`, sharing a word beside another, says nothing; gradients given back for a parameter named for them, `prev_grads`, or under a name sharing a word with it, are its new value), such as a tuple of clip bounds `(lo, hi)` beside a metrics tuple `(loss, jnp.mean(w))`, also under `clip_stats`, or a teacher\'s parameters beside the gradients returned, is an `autoflat.OptionError` naming that leaf: carried, every step would start from what may be a metric; `state={"bounds": 2}` or `broadcast="bounds"` says which it is.',
 )
 @claim(
     PAGE,
@@ -4484,6 +4484,29 @@ def test_a_container_linked_to_a_position_by_its_type_alone_is_asked_about():
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), autoflat.unwrap(got), state
         )
+
+    def clip_stats_step(w, clip_bounds, x):  # the clipped gradients' extremes, logged
+        lo, hi = clip_bounds
+        g = jnp.clip(jax.grad(lambda w: jnp.sum((x * w - 1.0) ** 2))(w), lo, hi)
+        clip_stats = (jnp.min(g), jnp.max(g))
+        return w - 0.1 * g, clip_stats
+
+    def new_bounds_step(w, clip_bounds, x):  # running bounds, under a name of its words
+        lo, hi = clip_bounds
+        g = jax.grad(lambda w: jnp.sum((x * w - 1.0) ** 2))(w)
+        new_bounds = (jnp.minimum(lo, jnp.min(g)), jnp.maximum(hi, jnp.max(g)))
+        return w - 0.1 * jnp.clip(g, -1.0, 1.0), new_bounds
+
+    bounds = (jnp.float32(-0.5), jnp.float32(0.5))
+    with pytest.raises(autoflat.OptionError, match="only through a reduction"):
+        autoflat.step(clip_stats_step, num_steps=4)(jnp.ones(3), bounds, xs)
+    step = autoflat.step(new_bounds_step, num_steps=4)
+    got = autoflat.unwrap(step(jnp.ones(3), bounds, xs))
+    assert role_line(step, "clip_bounds").startswith("state (matched by value")
+    state = (jnp.ones(3), bounds)
+    for i in range(4):
+        state = jax.jit(new_bounds_step)(*state, xs[i])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, state)
 
 
 @claim(
