@@ -2716,6 +2716,37 @@ def test_loss_weights_and_parts_sharing_a_word_of_their_names_are_asked_about(fn
     tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
 
 
+def _log_space_parts(w, log_weights, x, y):  # (loss weights kept as logs)
+    def parts(w):
+        return {"ce": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(jnp.exp(log_weights[k]) * v for k, v in parts(w).items()))(w)
+    return w - 0.1 * g, {k: jnp.exp(log_weights[k]) * v for k, v in parts(w).items()}
+
+
+def _normalised_parts(w, weights, x, y):  # (loss weights normalised to sum to one)
+    total = weights["ce"] + weights["l2"]
+
+    def parts(w):
+        return {"ce": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(weights[k] / total * v for k, v in parts(w).items()))(w)
+    return w - 0.1 * g, {k: weights[k] / total * v for k, v in parts(w).items()}
+
+
+@pytest.mark.parametrize("fn", [_log_space_parts, _normalised_parts])
+def test_loss_weights_through_a_value_of_their_own_beside_the_parts_are_asked_about(fn):
+    """The weighted parts weigh by a value of the dict's leaf alone (`jnp.exp(log_w)`, `w /
+    total`), not the leaf itself: the keys are no evidence either (carried silently
+    before, each step weighing by the last step's weighted losses)."""
+    w0, start = jnp.ones(3), {"ce": jnp.float32(1.0), "l2": jnp.float32(0.1)}
+    param = list(inspect.signature(fn).parameters)[1]
+    with pytest.raises(autoflat.OptionError, match=f'broadcast="{param}"'):
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    got = autoflat.step(fn, num_steps=4, broadcast=param)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
+
+
 def _named_scale(w, ls, x, y):  # (a dynamic loss scale kept in a dict)
     g = jax.grad(lambda w: ls["scale"] * jnp.mean((x @ w - y) ** 2))(w) / ls["scale"]
     finite = jnp.all(jnp.isfinite(g))

@@ -216,8 +216,9 @@ class Weight(NamedTuple):
 
     param: str
     by: frozenset[str]  # the parameters the value weighed by is computed from
-    # The product of the parameter's own leaf (not a value of it, `1 - alpha`) and the value,
-    # nothing added since (`w_ce * ce`; not `d * ema + (1 - d) * loss`)
+    # The product of the parameter's own leaf, or a value of it alone (`jnp.exp(log_w)`,
+    # `w / (w + v)`), and the value, nothing added since (`w_ce * ce`; not `d * ema + (1 -
+    # d) * loss`)
     bare: bool = False
 
 
@@ -478,7 +479,7 @@ def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     if name in ("mul", "div") and len(got) == 2:
         a, b = got
         found = {
-            Weight(p, other.sources, bare=_own_leaf(own) == p)
+            Weight(p, other.sources, bare=True)
             for own, other in ((a, b), (b, a))
             if (p := _of_one(own)) is not None and not _fixed(other) and not _normalises(other, p)
         }
