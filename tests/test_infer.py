@@ -3263,7 +3263,7 @@ def _lstm_dict(W, state, x):
 
 @claim(
     "docs/roles.md",
-    "and so at any open return position computed from it, where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`)",
+    "and so at any open return position computed from it through a contraction (a matrix product taking it, `h @ wh`, as a recurrent cell computes its new state), where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`)",
 )
 @pytest.mark.parametrize(
     ("update", "name", "carry"),
@@ -3333,3 +3333,79 @@ def test_per_environment_keys_that_fail_sliced_while_matching_ask():
         autoflat.step(_envs_raw_keys, num_steps=K, state="keys"), (w0, keys), (xs,), 2 * K, K
     )
     tree_allclose(got, ref, rtol=1e-5)
+
+
+def _annealed(w, beta, x, y):  # (a per-step KL weight times per-example losses, logged)
+    per_example = (x @ w - y) ** 2
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(beta * (x @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss, beta * per_example
+
+
+def _shifted(w, shift, x, y):  # (a per-step feature shift, the augmented batch logged)
+    x_aug = x + shift
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x_aug @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss, x_aug
+
+
+def _heads(wb, x, y):  # (four heads' per-example losses against the labels)
+    per = ((x @ wb).T - y) ** 2
+    loss, g = jax.value_and_grad(lambda wb: jnp.mean(((x @ wb).T - y) ** 2))(wb)
+    return wb - 0.1 * g, per, loss
+
+
+@claim(
+    "docs/roles.md",
+    "a schedule, a shift or labels broadcast elementwise against a batch of 4 (`beta * per_example`, `x + shift`) give back per-step outputs",
+)
+@pytest.mark.parametrize(
+    ("update", "state", "per_step"),
+    [
+        (_annealed, jnp.zeros(3), (jnp.linspace(0.1, 1.0, K), (K, 3), (K,))),
+        (_shifted, jnp.zeros(3), (jnp.full((K, 3), 0.1), (K, 3), (K,))),
+        (_heads, jnp.zeros((3, K)), ((8, 3), (8,))),
+    ],
+)
+def test_a_per_step_input_broadcast_against_a_batch_of_num_steps_is_per_step(
+    update, state, per_step
+):
+    """A schedule, a shift or labels whose slice, broadcast against a batch (or heads) of
+    num_steps, gives back their whole shape, only elementwise: per-step outputs, as the
+    leading axis says (a review found them asked about by a first version of the check of
+    carries of a batch of num_steps). Batches of shape (num_steps, batch, ...)."""
+    xs = [_batches(K, s, seed=i) if isinstance(s, tuple) else s for i, s in enumerate(per_step)]
+    ref, routs = _reference(update, (state,), xs, K)
+    got, gouts = _run(autoflat.step(update, num_steps=K), (state,), xs, K, K)
+    tree_allclose(got, ref, rtol=1e-5)
+    want = jax.tree.map(lambda *o: jnp.stack(o), *routs)
+    tree_allclose(gouts[0], want, rtol=1e-5)
+
+
+def _rnn_einsum(W, h, x):  # (fails sliced: the einsum wants h of a batch)
+    h_new = jnp.tanh(jnp.einsum("bd,de->be", h, W) + x)
+    return W, h_new, jnp.mean(h_new)
+
+
+def test_the_sliced_fails_question_quotes_jax_s_error():
+    """The question asked while state was matched is not asked again around itself."""
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_rnn_einsum, num_steps=K)(jnp.eye(5), jnp.zeros((K, 5)), jnp.ones((K, K, 5)))
+    assert "fails to trace (ValueError: Einstein sum subscript" in str(info.value)
+    assert isinstance(info.value.__context__, ValueError)
+
+
+def _parts_as_loss(w, loss_weights, x, y):  # (the parts logged under `loss`)
+    a, b = loss_weights
+    g = jax.grad(lambda w: a * jnp.mean((x @ w - y) ** 2) + b * jnp.sum(w**2))(w)
+    loss = (jnp.mean((x @ w - y) ** 2), jnp.sum(w**2))
+    return w - 0.1 * g, loss
+
+
+def test_a_metric_tuple_under_a_modifier_of_the_parameter_s_name_is_asked_about():
+    """`loss` for `loss_weights`: a word of its name, but not its head word (`weights`):
+    no evidence (carried silently before, each step weighing by the last step's parts)."""
+    w0, start = jnp.ones(3), (jnp.float32(1.0), jnp.float32(0.01))
+    with pytest.raises(autoflat.OptionError, match='broadcast="loss_weights"'):
+        autoflat.step(_parts_as_loss, num_steps=K)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    step = autoflat.step(_parts_as_loss, num_steps=K, broadcast="loss_weights")
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(_parts_as_loss, w0, start, True), rtol=1e-6)

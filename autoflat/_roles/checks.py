@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import jax
 
 from .._analysis.analysis import Analysis, Return
-from .._errors import STATE_NOT_MATCHED, OptionError, error
+from .._errors import STATE_NOT_MATCHED, AutoflatError, OptionError, error
 from .._transport.structure import is_array
 from . import matching as _matching
 from . import names as _names
@@ -238,6 +238,8 @@ def _check_arrays_per_step(run: Run, first: Return, taken: set[int]) -> None:
 
     try:
         outputs = positions_of(first, run.evaluate())
+    except AutoflatError:
+        raise  # (asked already, by the evaluation: `infer.Inference.evaluate`)
     except Exception as e:
         traces = [
             p
@@ -259,10 +261,13 @@ def _of_a_model(value: Any) -> bool:
 
 def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     """An argument taken per-step by its leading axis (rule 10) that one step gives back
-    with its whole structure and shapes at an open return position computed from it, an
+    with its whole structure and shapes at an open return position computed from it through
+    a contraction (`Flow.mixed`: `h @ wh`, as a recurrent cell computes its new state), an
     expression or a container written in the return as much as a name: refused where
-    carried whole it is given back so too (`hazards.check_whole_per_step`). The data flow
-    is read only where such a shape is given back."""
+    carried whole it is given back so too (`hazards.check_whole_per_step`). A per-step
+    schedule, label or shift broadcast against a batch of num_steps (`beta * per_example`,
+    `x + shift`) gives back that shape too, only elementwise: a per-step output, as the
+    leading axis says. The data flow is read only where such a shape is given back."""
     left = [pos for pos in run.open_positions if pos not in taken]
     scanned = [
         p for p in run.open if run.kinds.get(p) == "scanned" and p not in run.options.per_step
@@ -271,6 +276,8 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
         return
     try:
         outputs = positions_of(first, run.evaluate())
+    except AutoflatError:
+        raise  # (the question of an argument the step fails on sliced)
     except Exception:
         return  # (the step's own trace raises it, with its line)
     shaped = {
@@ -280,7 +287,7 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     if not any(shaped.values()):
         return
     flows = run.flow_of(first)()
-    hits = {p: [pos for pos in at if p in flows[pos].sources] for p, at in shaped.items()}
+    hits = {p: [pos for pos in at if p in flows[pos].mixed] for p, at in shaped.items()}
     check_whole_per_step(
         run.analysis, run.values, hits, functools.partial(_carried_whole, run, first),
         run.num_steps,

@@ -42,7 +42,9 @@ class Flow(NamedTuple):
     in `w - lr_t * g`), and the parameters whose own leaves a last operation that is a
     maximum or a minimum takes (`extremes`: `best` in `jnp.maximum(best, loss)`, a running
     maximum, and `floor` in `jnp.maximum(floor, loss)`, a clamp: only a name tells them
-    apart).
+    apart), and the parameters it is computed from through a contraction, a product summed
+    over an axis (`mixed`: `h` in `jnp.tanh(x @ wx + h @ wh)`, not `beta` in `beta *
+    per_example`).
     """
 
     sources: frozenset[str]
@@ -56,6 +58,7 @@ class Flow(NamedTuple):
     picked: tuple[str | None, ...]
     reused: tuple[bool, ...]
     extremes: tuple[frozenset[str], ...]
+    mixed: frozenset[str]
 
 
 # The operations that accumulate, their first operand the running value (`flows_traced`,
@@ -166,6 +169,7 @@ def _flows(
                 ),
                 tuple(i is not None and reused[i] for i in at_leaf),
                 tuple(_NONE if i is None else walked[i].extreme for i in at_leaf),
+                _NONE.union(*(walked[i].mixed for i in span)),
             )
         )
     return result
@@ -216,9 +220,10 @@ class Weight(NamedTuple):
 
     param: str
     by: frozenset[str]  # the parameters the value weighed by is computed from
-    # The product of the parameter's own leaf, or a value of it alone (`jnp.exp(log_w)`,
-    # `w / (w + v)`), and the value, nothing added since (`w_ce * ce`; not `d * ema + (1 -
-    # d) * loss`)
+    # The product of the parameter's own leaf, or of a value of it alone (`jnp.exp(log_w)`,
+    # `w / (w + v)`), and the value, or the value over its own leaf, nothing added since
+    # (`w_ce * ce`, `loss / scale`; not `d * ema + (1 - d) * loss`, nor a Welford mean's
+    # `(n * mean + b * m) / (n + b)`)
     bare: bool = False
 
 
@@ -237,7 +242,8 @@ class _Var(NamedTuple):
     (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`), and the parameters
     whose own leaves the operation making it takes if it is a maximum or a minimum
     (`Flow.extremes`), and for a predicate, the parameters whose own leaves a comparison
-    making it takes (`loss < floor`: `floor`)."""
+    making it takes (`loss < floor`: `floor`), and the parameters it is computed from
+    through a contraction (`Flow.mixed`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -251,6 +257,7 @@ class _Var(NamedTuple):
     picked: bool = False
     extreme: frozenset[str] = _NONE
     compared: frozenset[str] = _NONE
+    mixed: frozenset[str] = _NONE
 
 
 _LITERAL = _Var()
@@ -302,6 +309,7 @@ def _branches(branches: list[Any], got: list[_Var], last: frozenset[str] | None)
             smooth=index.smooth.union(*(x.smooth for x in per)),
             spread=index.spread.union(*(x.spread for x in per)),
             origins=index.origins.union(*(x.origins for x in per)),
+            mixed=index.mixed.union(*(x.mixed for x in per)),
         )
         for per in zip(*walked, strict=True)
     ]
@@ -338,6 +346,7 @@ def _joined(*xs: _Var) -> _Var:
         smooth=_NONE.union(*(x.smooth for x in xs)),
         spread=_NONE.union(*(x.spread for x in xs)),
         origins=_NO_ORIGINS.union(*(x.origins for x in xs)),
+        mixed=_NONE.union(*(x.mixed for x in xs)),
     )
 
 
@@ -374,8 +383,13 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         scaled is not None and (ins[0][1].picked if passes else _picked(name, got)),
         _extreme(name, got),
         _compared(name, got),
+        _NONE.union(*(x.sources if name in _CONTRACTIONS else x.mixed for _, x in ins)),
     )
     return [out] * len(_jax.outputs(eqn))
+
+
+# The operations that sum over an axis of their operands (`Flow.mixed`).
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def _extreme(name: str, got: list[_Var]) -> frozenset[str]:
@@ -479,7 +493,7 @@ def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     if name in ("mul", "div") and len(got) == 2:
         a, b = got
         found = {
-            Weight(p, other.sources, bare=True)
+            Weight(p, other.sources, bare=name == "mul" or _own_leaf(own) == p)
             for own, other in ((a, b), (b, a))
             if (p := _of_one(own)) is not None and not _fixed(other) and not _normalises(other, p)
         }

@@ -196,13 +196,13 @@ def check_whole_per_step(
 ) -> None:
     """An argument read as per-step by its leading axis alone (rule 10) that one step,
     reading it sliced, gives back with its whole structure and shapes at an open return
-    position computed from it (`hits`), and that the same step, with it carried whole
-    (`carried`: that evaluation's positions), gives back so there too: the hidden state of
-    an RNN whose batch happens to be num_steps (each step's slice broadcast against the
-    step's batch of 4 at num_steps=4), returned as an expression (`stop_gradient(h_new)`)
-    or as a tuple or dict written in the return (`(h_new, c_new)`). Both readings
-    type-check; sliced, each step would start from one row of the last chunk's carry: the
-    user says which."""
+    position computed from it through a contraction (`hits`), and that the same step, with
+    it carried whole (`carried`: that evaluation's positions), gives back so there too: the
+    hidden state of an RNN whose batch happens to be num_steps (each step's slice broadcast
+    against the step's batch of 4 at num_steps=4), returned as an expression
+    (`stop_gradient(h_new)`) or as a tuple or dict written in the return (`(h_new,
+    c_new)`). Both readings type-check; sliced, each step would start from one row of the
+    last chunk's carry: the user says which."""
     for p, at in hits.items():
         whole = carried(p) if at else None
         pos = next((pos for pos in at if whole and same_value(values[p], whole[pos])), None)
