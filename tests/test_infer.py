@@ -3254,6 +3254,15 @@ def _lstm_tuple(W, carry, x):
     return jax.tree.map(lambda p, g: p - 0.1 * g, W, g), (h_new, c_new), loss
 
 
+def _carry_with_counter(W, carry, x):
+    """A hidden state beside a per-sequence counter: sliced, the counter keeps one step's
+    shape while the hidden state comes back whole."""
+    h, t = carry
+    h = jnp.tanh(x @ W["wx"] + h @ W["wh"] + 0.01 * t[..., None])
+    new_carry = (h, t + 1.0)
+    return W, new_carry, jnp.mean(h)
+
+
 def _lstm_dict(W, state, x):
     """The same carry as a dict written in the return, the weights only read."""
     c_new = 0.9 * state["c"] + jnp.tanh(x @ W["wx"] + state["h"] @ W["wh"])
@@ -3263,7 +3272,7 @@ def _lstm_dict(W, state, x):
 
 @claim(
     "docs/roles.md",
-    "and so at any open return position computed from it through a contraction (a matrix product taking it, `h @ wh`, as a recurrent cell computes its new state), where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`)",
+    "and so at any open return position computed from it through a contraction (a matrix product taking it, `h @ wh`, as a recurrent cell computes its new state), where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`, or `(h_new, t + 1)` whose counter keeps one step's shape)",
 )
 @pytest.mark.parametrize(
     ("update", "name", "carry"),
@@ -3271,6 +3280,7 @@ def _lstm_dict(W, state, x):
         (_rnn_expression, "h", lambda h: h),
         (_lstm_tuple, "carry", lambda h: (h, h + 0.1)),
         (_lstm_dict, "state", lambda h: {"h": h, "c": h + 0.1}),
+        (_carry_with_counter, "carry", lambda h: (h, jnp.zeros(K))),
     ],
 )
 def test_a_carry_of_a_batch_of_num_steps_given_back_unnamed_is_asked_about(update, name, carry):

@@ -18,13 +18,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import STATE_NOT_MATCHED, AutoflatError, OptionError, error
 from .._transport.structure import is_array
 from . import matching as _matching
 from . import names as _names
-from .abstract import eval_one_step, positions_of, same_value
+from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
 from .flow import Flow, scalar_container
 from .hazards import (
     check_array_per_step_returned,
@@ -280,9 +281,9 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
         raise  # (the question of an argument the step fails on sliced)
     except Exception:
         return  # (the step's own trace raises it, with its line)
+    there = [pos for pos in left if pos < len(outputs)]
     shaped = {
-        p: [pos for pos in left if pos < len(outputs) and same_value(run.values[p], outputs[pos])]
-        for p in scanned
+        p: [pos for pos in there if _partly_whole(run.values[p], outputs[pos])] for p in scanned
     }
     if not any(shaped.values()):
         return
@@ -292,6 +293,29 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
         run.analysis, run.values, hits, functools.partial(_carried_whole, run, first),
         run.num_steps,
     )  # fmt: skip
+
+
+def _partly_whole(value: Any, out: Any) -> bool:
+    """Whether `out` has `value`'s structure, each leaf of its whole shape and dtype or its
+    slice's, one whole at least: a carry `(h, t)` whose hidden state comes back whole and
+    whose counter `t + 1` keeps one step's shape."""
+    if same_value(value, out):
+        return True
+    rebuild, sliced = abstract_leaves(value, drop_axis=True)
+    _, whole = abstract_leaves(value, drop_axis=False)
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    structure: Any = jax.tree_util.tree_structure(rebuild(sliced))
+    if structure != treedef or len(leaves) != len(whole):
+        return False
+    kinds = [
+        "whole" if _fits(o, w) else "slice" if _fits(o, s) else None
+        for o, w, s in zip(leaves, whole, sliced, strict=True)
+    ]
+    return None not in kinds and "whole" in kinds
+
+
+def _fits(out: Any, abstract: Any) -> bool:
+    return np.shape(out) == abstract.shape and getattr(out, "dtype", None) == abstract.dtype
 
 
 def _carried_whole(run: Run, first: Return, p: str) -> list[Any] | None:
