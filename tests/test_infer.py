@@ -3272,7 +3272,7 @@ def _lstm_dict(W, state, x):
 
 @claim(
     "docs/roles.md",
-    "and so at any open return position computed from it through a contraction (a matrix product taking it, `h @ wh`, as a recurrent cell computes its new state), where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`, or `(h_new, t + 1)` whose counter keeps one step's shape)",
+    "and so at any open return position computed from a contraction that takes its own value (a matrix product, `h @ wh`, as a recurrent cell computes its new state), where it is an expression (`return W, jax.lax.stop_gradient(h_next), loss`) or a tuple or a dict written in the return (an LSTM's carry `(h_new, c_new)`, or `(h_new, t + 1)` whose counter keeps one step's shape)",
 )
 @pytest.mark.parametrize(
     ("update", "name", "carry"),
@@ -3357,6 +3357,17 @@ def _shifted(w, shift, x, y):  # (a per-step feature shift, the augmented batch 
     return w - 0.1 * g, loss, x_aug
 
 
+def _conditioned(w, style, x, y):  # (a per-step style vector added before a layer)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(((x + style) @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss, (x + style) @ w
+
+
+def _updated_then_predicted(w, beta, x, y):  # (the updated model's predictions logged)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(beta * (x @ w - y) ** 2))(w)
+    w = w - 0.1 * g
+    return w, loss, x @ w
+
+
 def _heads(wb, x, y):  # (four heads' per-example losses against the labels)
     per = ((x @ wb).T - y) ** 2
     loss, g = jax.value_and_grad(lambda wb: jnp.mean(((x @ wb).T - y) ** 2))(wb)
@@ -3365,7 +3376,7 @@ def _heads(wb, x, y):  # (four heads' per-example losses against the labels)
 
 @claim(
     "docs/roles.md",
-    "a schedule, a shift or labels broadcast elementwise against a batch of 4 (`beta * per_example`, `x + shift`) give back per-step outputs",
+    "a schedule, a shift or labels broadcast elementwise against a batch of 4 (`beta * per_example`, `x + shift`, or `(x + style) @ w`) give back per-step outputs",
 )
 @pytest.mark.parametrize(
     ("update", "state", "per_step"),
@@ -3373,6 +3384,8 @@ def _heads(wb, x, y):  # (four heads' per-example losses against the labels)
         (_annealed, jnp.zeros(3), (jnp.linspace(0.1, 1.0, K), (K, 3), (K,))),
         (_shifted, jnp.zeros(3), (jnp.full((K, 3), 0.1), (K, 3), (K,))),
         (_heads, jnp.zeros((3, K)), ((8, 3), (8,))),
+        (_conditioned, jnp.zeros(3), (jnp.full((K, 3), 0.1), (K, 3), (K,))),
+        (_updated_then_predicted, jnp.zeros(3), (jnp.linspace(0.1, 1.0, K), (K, 3), (K,))),
     ],
 )
 def test_a_per_step_input_broadcast_against_a_batch_of_num_steps_is_per_step(
@@ -3419,3 +3432,58 @@ def test_a_metric_tuple_under_a_modifier_of_the_parameter_s_name_is_asked_about(
     step = autoflat.step(_parts_as_loss, num_steps=K, broadcast="loss_weights")
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
     tree_allclose(got, _jit_loop(_parts_as_loss, w0, start, True), rtol=1e-6)
+
+
+def _plateau(w, lr_state, x, y, *, name):  # (ReduceLROnPlateau: the last loss and the rate)
+    prev_loss, lr = lr_state
+    loss, g = _scalar_loss(w, x, y)
+    new_lr = jnp.where(loss > prev_loss, lr * 0.5, lr)
+    return w - new_lr * g, (loss, new_lr)
+
+
+def _sched_state(w, lr_state, x, y):
+    w, sched_state = _plateau(w, lr_state, x, y, name="sched_state")
+    return w, sched_state
+
+
+def _new_lr(w, lr_state, x, y):
+    w, new_lr = _plateau(w, lr_state, x, y, name="new_lr")
+    return w, new_lr
+
+
+def _kl_controller(w, kl_state, x, y):  # (a KL target controller's coefficient and last KL)
+    beta, _ = kl_state
+    loss, g = _scalar_loss(w, x, y)
+    kl = jnp.abs(loss - 1.0)
+    kl_stats = (beta * jnp.where(kl > 0.5, 1.5, 1 / 1.5), kl)
+    return w - 0.1 * g, kl_stats
+
+
+@pytest.mark.parametrize("fn", [_sched_state, _new_lr, _kl_controller])
+def test_tuple_state_with_a_metric_slot_under_its_head_word_is_carried(fn):
+    """A plateau scheduler's `(prev_loss, lr)` or a KL controller's `(beta, kl)`, whose
+    last-loss slot is not computed from it, returned under a name holding its head word
+    (`sched_state` or `new_lr` for `lr_state`, `kl_stats` for `kl_state`): carried, as
+    under jax.jit (refused by a first version of the head-word rule)."""
+    w0, start = jnp.ones(3), (jnp.float32(9.0), jnp.float32(0.1))
+    got = autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(fn, w0, start), rtol=1e-6)
+
+
+def _uncertainty_terms(w, sigmas, x, y):  # (terms over fixed variances, logged by key)
+    def parts(w):
+        return {"mse": jnp.mean((x @ w - y) ** 2), "l2": jnp.sum(w**2)}
+
+    g = jax.grad(lambda w: sum(v / (2 * sigmas[k] ** 2) for k, v in parts(w).items()))(w)
+    return w - 0.1 * g, {k: v / (2 * sigmas[k] ** 2) for k, v in parts(w).items()}
+
+
+def test_loss_terms_over_a_value_of_the_weights_beside_them_are_asked_about():
+    """`part / (2 * sigma[k] ** 2)` by key beside the dict of sigmas: the parts over a value
+    of its leaf weigh them as a product does (carried silently before)."""
+    w0, start = jnp.ones(3), {"mse": jnp.float32(1.0), "l2": jnp.float32(2.0)}
+    with pytest.raises(autoflat.OptionError, match='broadcast="sigmas"'):
+        autoflat.step(_uncertainty_terms, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    step = autoflat.step(_uncertainty_terms, num_steps=4, broadcast="sigmas")
+    got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(_uncertainty_terms, w0, start, True), rtol=1e-6)

@@ -42,9 +42,9 @@ class Flow(NamedTuple):
     in `w - lr_t * g`), and the parameters whose own leaves a last operation that is a
     maximum or a minimum takes (`extremes`: `best` in `jnp.maximum(best, loss)`, a running
     maximum, and `floor` in `jnp.maximum(floor, loss)`, a clamp: only a name tells them
-    apart), and the parameters it is computed from through a contraction, a product summed
-    over an axis (`mixed`: `h` in `jnp.tanh(x @ wx + h @ wh)`, not `beta` in `beta *
-    per_example`).
+    apart), and the parameters whose own leaf is an operand of a contraction it is computed
+    from, a product summed over an axis (`mixed`: `h` in `jnp.tanh(x @ wx + h @ wh)`, not
+    `beta` in `beta * per_example`).
     """
 
     sources: frozenset[str]
@@ -221,9 +221,8 @@ class Weight(NamedTuple):
     param: str
     by: frozenset[str]  # the parameters the value weighed by is computed from
     # The product of the parameter's own leaf, or of a value of it alone (`jnp.exp(log_w)`,
-    # `w / (w + v)`), and the value, or the value over its own leaf, nothing added since
-    # (`w_ce * ce`, `loss / scale`; not `d * ema + (1 - d) * loss`, nor a Welford mean's
-    # `(n * mean + b * m) / (n + b)`)
+    # `w / (w + v)`), and the value, or one over the other, nothing added since (`w_ce *
+    # ce`, `loss / scale`; not `d * ema + (1 - d) * loss`, nor a Welford mean: `_bare`)
     bare: bool = False
 
 
@@ -242,8 +241,8 @@ class _Var(NamedTuple):
     (`picked`: `lr * jnp.where(step < 2, 0.1, 1.0)`, not `0.9 * m`), and the parameters
     whose own leaves the operation making it takes if it is a maximum or a minimum
     (`Flow.extremes`), and for a predicate, the parameters whose own leaves a comparison
-    making it takes (`loss < floor`: `floor`), and the parameters it is computed from
-    through a contraction (`Flow.mixed`)."""
+    making it takes (`loss < floor`: `floor`), and the parameters whose own leaf is an
+    operand of a contraction it is computed from (`Flow.mixed`)."""
 
     sources: frozenset[str] = _NONE
     direct: frozenset[str] = _NONE
@@ -383,9 +382,19 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         scaled is not None and (ins[0][1].picked if passes else _picked(name, got)),
         _extreme(name, got),
         _compared(name, got),
-        _NONE.union(*(x.sources if name in _CONTRACTIONS else x.mixed for _, x in ins)),
+        _mixed(name, [x for _, x in ins]),
     )
     return [out] * len(_jax.outputs(eqn))
+
+
+def _mixed(name: str, ins: list[_Var]) -> frozenset[str]:
+    """`_Var.mixed`: the operands' own, and for a contraction the parameters whose own leaf
+    (through casts and reshapes) is one of its operands (`h @ wh`; not `(x + style) @ w`, a
+    per-step input shifted, nor `x @ w_new`, a model updated by a per-step schedule)."""
+    got = _NONE.union(*(x.mixed for x in ins))
+    if name in _CONTRACTIONS:
+        got = got.union(*(_own(x.root) for x in ins))
+    return got
 
 
 # The operations that sum over an axis of their operands (`Flow.mixed`).
@@ -493,7 +502,7 @@ def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     if name in ("mul", "div") and len(got) == 2:
         a, b = got
         found = {
-            Weight(p, other.sources, bare=name == "mul" or _own_leaf(own) == p)
+            Weight(p, other.sources, bare=_bare(name, own, other, p))
             for own, other in ((a, b), (b, a))
             if (p := _of_one(own)) is not None and not _fixed(other) and not _normalises(other, p)
         }
@@ -507,6 +516,14 @@ def _weighted(name: str, got: list[_Var]) -> frozenset[Weight]:
     if name == "select_n":  # (its cases, not its predicate)
         return frozenset().union(*(x.weighted for x in got[1:]))
     return frozenset()
+
+
+def _bare(name: str, own: _Var, other: _Var, p: str) -> bool:
+    """`Weight.bare`: a product of `p`'s own leaf or a value of it alone and a value not
+    computed from `p` (`jnp.exp(log_w) * part`), or either over the other (`loss / scale`,
+    `part / (2 * sigma**2)`); not a Welford mean's `(n * mean + b * m) / (n + b)`, whose
+    numerator is computed from the same parameter."""
+    return name == "mul" or _own_leaf(own) == p or p not in other.sources
 
 
 def _of_one(x: _Var) -> str | None:

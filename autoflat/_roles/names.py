@@ -7,8 +7,8 @@ dropped) and reads them against the parameter's, from the strictest to the loose
 - `renamed`: the parameter's own name, or it with a word for new (`ema`, `new_ema`, `ema2`);
 - `named_for`: `renamed`, or the parameter's name less a word for previous (`loss` for
   `prev_loss`);
-- `named_within`: some of the parameter's words, its head word among them, beside words for
-  new (`new_weights` for `expert_weights`; not `loss` for `loss_weights`);
+- `named_within`: a name holding the parameter's head word (`new_weights` for
+  `expert_weights`, `new_lr` for `lr_state`; not `loss` for `loss_weights`);
 - `named_after`: a name sharing a word with it (`ema_params` for `ema`);
 - `may_name`: `named_after`, words for new only (`updated`), or a word beside one that begins
   the parameter's name (`p_next` for `params`);
@@ -102,21 +102,21 @@ def may_name(p: str, name: str) -> bool:
 
 @_at_position
 def named_within(p: str, name: str) -> bool:
-    """Whether the name's words, less words for new, are some of `p`'s, its head word among
-    them (`weights` or `new_weights` for `expert_weights`, `new_lr` for `lr_dict`; not
-    `loss` for `loss_weights`, a word that only says what the weights are of): stricter
-    than `named_after`, where a word shared beside another (`loss_parts` for
-    `loss_weights`) counts too."""
+    """Whether the name, less words for new, holds `p`'s head word (`weights` or
+    `new_weights` for `expert_weights`, `new_lr` for `lr_dict` or `lr_state`, `sched_state`
+    for `lr_state`; not `loss` for `loss_weights`, a word that only says what the weights
+    are of, nor `clip_stats` for `clip_bounds`): stricter than `named_after`, where any
+    shared word (`loss_parts` for `loss_weights`) counts."""
     kept = {w for w in split_name(name) if w not in _NEW}
-    own = split_name(p)
-    return bool(kept) and kept <= set(own) and _head(own) in kept
+    return bool(kept & _heads([w for w in split_name(p) if w not in _NEW]))
 
 
-def _head(words: list[str]) -> str | None:
-    """A name's head word: its last, other than a word for a container (`weights` in
-    `loss_weights`, `lr` in `lr_dict`)."""
-    kept = [w for w in words if w not in _CONTAINER_WORDS]
-    return kept[-1] if kept else None
+def _heads(words: list[str]) -> set[str]:
+    """A name's head words: its last, and its last other than a word for a container or
+    for state (`weights` in `loss_weights`; `state` and `lr` in `lr_state`, `lr` in
+    `lr_dict`)."""
+    kept = [w for w in words if w not in _GENERIC_WORDS]
+    return set(words[-1:]) | set(kept[-1:])
 
 
 @_at_position
@@ -133,7 +133,7 @@ def names_gradients(p: str) -> bool:
 
 
 _NEW = frozenset({"new", "next", "updated", "upd"})
-_CONTAINER_WORDS = frozenset({"dict", "tuple", "list", "tree", "map", "pytree"})
+_GENERIC_WORDS = frozenset({"dict", "tuple", "list", "tree", "map", "pytree", "state", "states"})
 _OLD = frozenset({"prev", "previous", "last", "old", "past"})
 _EXTREME_WORDS = frozenset(
     {"best", "worst", "max", "min", "amax", "amin", "peak", "highest", "lowest", "record"}

@@ -274,8 +274,8 @@ def refuse_unlinked(
             # (a word shared beside another is no evidence where a leaf says metric: a tuple
             # of clip bounds beside the clipped gradients' extremes (`clip_bounds`,
             # `clip_stats`), loss weights beside the weighted loss parts (`loss_weights`,
-            # `loss_parts`): only a name of its words alone, beside words for new, says so
-            # (`new_clip`, `new_weights` for `expert_weights`). Nor are a dict's keys where a
+            # `loss_parts`, or `loss`): only a name holding its head word says so
+            # (`new_bounds`, `new_weights` for `expert_weights`). Nor are a dict's keys where a
             # leaf is a value of the step weighed by it and nothing more: loss weights and
             # loss parts share their keys by nature; `d * ema["loss"] + (1 - d) * loss` keeps
             # a running value)
