@@ -3487,3 +3487,34 @@ def test_loss_terms_over_a_value_of_the_weights_beside_them_are_asked_about():
     step = autoflat.step(_uncertainty_terms, num_steps=4, broadcast="sigmas")
     got = step(w0, start, _SCALARS_XS, _SCALARS_YS)
     tree_allclose(got, _jit_loop(_uncertainty_terms, w0, start, True), rtol=1e-6)
+
+
+def _batch_norm_state(w, state, x):
+    """Running statistics of 4 features, updated elementwise, returned under the state's
+    new name: at num_steps=4 every array of `state` has a leading axis of 4."""
+    feats = x @ w
+    new_state = {"mean": 0.9 * state["mean"] + 0.1 * jnp.mean(feats, 0)}
+    return new_state, jnp.mean((feats - state["mean"]) ** 2)
+
+
+@claim(
+    "docs/roles.md",
+    "or elementwise, under a name that may be its new value (running statistics of 4 features returned as `new_state`)",
+)
+def test_statistics_of_num_steps_features_under_their_new_name_are_asked_about():
+    """Sliced per step, each step would update one feature's statistic from every feature's
+    batch mean (silently before)."""
+    w = jnp.full((3, K), 0.1)
+    s0 = {"mean": jnp.zeros(K)}
+    xs = _batches(2 * K, (16, 3), seed=5)
+    with pytest.raises(autoflat.ShapeError, match='state="state"'):
+        autoflat.step(_batch_norm_state, num_steps=K)(w, s0, xs[:K])
+    ref = jax.jit(_batch_norm_state)
+    state = s0
+    for i in range(2 * K):
+        state, _ = ref(w, state, xs[i])
+    step = autoflat.step(_batch_norm_state, num_steps=K, state="state")
+    got = s0
+    for start in range(0, 2 * K, K):
+        got, _ = step(w, got, xs[start : start + K])
+    tree_allclose(autoflat.unwrap(got), state, rtol=1e-6)

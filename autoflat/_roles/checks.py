@@ -288,11 +288,22 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     if not any(shaped.values()):
         return
     flows = run.flow_of(first)()
-    hits = {p: [pos for pos in at if p in flows[pos].mixed] for p, at in shaped.items()}
+    hits = {
+        p: [pos for pos in at if _carried_there(p, pos, flows[pos], first)]
+        for p, at in shaped.items()
+    }
     check_whole_per_step(
         run.analysis, run.values, hits, functools.partial(_carried_whole, run, first),
         run.num_steps,
     )  # fmt: skip
+
+
+def _carried_there(p: str, pos: int, here: Flow, first: Return) -> bool:
+    """Whether return position `pos` looks like the new value of a carry `p`: computed from a
+    contraction taking its own value (`Flow.mixed`: `h @ wh`), or from it under a name that
+    may be its new value (`names.may_name`: `new_state` for `state`, BatchNorm statistics
+    updated elementwise)."""
+    return p in here.mixed or (p in here.sources and _names.may_name(p, pos, first.names))
 
 
 def _partly_whole(value: Any, out: Any) -> bool:
