@@ -3518,3 +3518,35 @@ def test_statistics_of_num_steps_features_under_their_new_name_are_asked_about()
     for start in range(0, 2 * K, K):
         got, _ = step(w, got, xs[start : start + K])
     tree_allclose(autoflat.unwrap(got), state, rtol=1e-6)
+
+
+def _env_step(es, a):  # (a linear environment: the next state from the action)
+    nes = 0.95 * es + 0.1 * jnp.array([[0.9, 0.1, 0.0], [0.0, 0.9, 0.1]])[a]
+    return nes, nes * 2.0, -jnp.sum(es**2)
+
+
+def _ppo_transition(P, env_state, last_obs, rng):  # (PureJaxRL's shape: 4 environments)
+    a = jax.random.categorical(rng, last_obs @ P["pi"])
+    value = last_obs @ P["v"]
+    env_state, obsv, r = jax.vmap(_env_step)(env_state, a)
+    transition = {"obs": last_obs, "action": a, "value": value, "reward": r}
+    return P, env_state, obsv, transition
+
+
+def test_per_environment_arrays_that_fail_sliced_in_a_data_flow_read_ask():
+    """`env_state` is rebound and returned by name, so its data flow is read first; with
+    `last_obs` of 4 environments sliced per step that trace fails: the question, quoting
+    JAX's error (which raised bare before)."""
+    P = {"pi": jnp.full((3, 2), 0.1), "v": jnp.full((3,), 0.1)}
+    obs0 = jax.random.normal(jax.random.key(1), (K, 3))
+    rngs = jax.random.split(jax.random.key(9), 2 * K)
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(_ppo_transition, num_steps=K)(P, obs0 * 0.5, obs0, rngs[:K])
+    message = str(info.value)
+    assert "vmap was requested to map its argument" in message
+    assert 'state="last_obs"' in message
+    state = ["env_state", "last_obs"]
+    ref, _ = _reference(_ppo_transition, (P, obs0 * 0.5, obs0), (rngs,), 2 * K)
+    step = autoflat.step(_ppo_transition, num_steps=K, state=state)
+    got, _ = _run(step, (P, obs0 * 0.5, obs0), (rngs,), 2 * K, K)
+    tree_allclose(autoflat.unwrap(got), ref, rtol=1e-6)

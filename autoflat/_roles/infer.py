@@ -55,6 +55,7 @@ from .._errors import (
     NNX_NOT_PYTREE,
     STATE_POSITION,
     UNHASHABLE_STATIC,
+    AutoflatError,
     CallError,
     OptionError,
     StateError,
@@ -439,18 +440,26 @@ class Inference:
 
     def flow_of(self, returned: Return) -> Callable[[], Any]:
         """Per return position of `returned`, the parameters it is computed from and those
-        the last operation making it takes (`flow.flows`), read once when first asked."""
+        the last operation making it takes (`flow.flows`), read once when first asked. A
+        step that fails so is evaluated first, which asks about an argument it fails on
+        sliced (`_probe_sliced`) rather than leave JAX's error bare."""
 
         def read() -> list[Flow]:
             if returned not in self._flows:
-                self._flows[returned] = flows(
-                    self.fn,
-                    self.params,
-                    self.values,
-                    self.for_eval,
-                    self.num_steps,
-                    lambda o: positions_of(returned, o),
-                )
+                try:
+                    self._flows[returned] = flows(
+                        self.fn,
+                        self.params,
+                        self.values,
+                        self.for_eval,
+                        self.num_steps,
+                        lambda o: positions_of(returned, o),
+                    )
+                except AutoflatError:
+                    raise
+                except Exception:
+                    self.evaluate()  # (the same roles: it fails too, and asks where it can)
+                    raise
             return self._flows[returned]
 
         return read
