@@ -5,9 +5,10 @@ errors of `hazards` and `state_hazards` in a fixed order: a `state=` position ho
 parameter nested; with `num_steps > 1`, state nested in an output, state spread over a
 tuple's items, a container whose types change, a container matched by its type alone; a
 parameter passed through at another's place, a bare array given back away from its place;
-a per-step argument given back; leading axes no rule settled; declared state nothing
-matched. A check that needs the step's data flow reads it through the run (`flow_of`), so
-each is traced at most once per first call.
+a per-step argument given back (its slice, or its whole shape from a slice: a carry of a
+batch of num_steps); leading axes no rule settled; declared state nothing matched. A check
+that needs the step's data flow reads it through the run (`flow_of`), so each is traced at
+most once per first call.
 """
 
 from __future__ import annotations
@@ -262,10 +263,11 @@ def _of_a_model(value: Any) -> bool:
 
 def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     """An argument taken per-step by its leading axis (rule 10) that one step gives back
-    with its whole structure and shapes at an open return position computed from it through
-    a contraction (`Flow.mixed`: `h @ wh`, as a recurrent cell computes its new state), an
-    expression or a container written in the return as much as a name: refused where
-    carried whole it is given back so too (`hazards.check_whole_per_step`). A per-step
+    with its whole structure and shapes (`_partly_whole`) at an open return position that
+    looks like a carry's new value (`_carried_there`: a contraction taking its own value,
+    `h @ wh`, as a recurrent cell computes its new state, or a name that may be its new
+    value), an expression or a container written in the return as much as a name: refused
+    where carried whole it is given back so too (`hazards.check_whole_per_step`). A per-step
     schedule, label or shift broadcast against a batch of num_steps (`beta * per_example`,
     `x + shift`) gives back that shape too, only elementwise: a per-step output, as the
     leading axis says. The data flow is read only where such a shape is given back."""
