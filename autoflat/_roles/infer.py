@@ -234,7 +234,7 @@ class Inference:
                 self.values,
                 self.for_eval,
                 self.num_steps,
-            )  # fmt: skip
+            )
         ]
         check_sliced_fails(self.analysis, traces, e, self.num_steps)
 
