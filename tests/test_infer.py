@@ -3550,3 +3550,27 @@ def test_per_environment_arrays_that_fail_sliced_in_a_data_flow_read_ask():
     step = autoflat.step(_ppo_transition, num_steps=K, state=state)
     got, _ = _run(step, (P, obs0 * 0.5, obs0), (rngs,), 2 * K, K)
     tree_allclose(autoflat.unwrap(got), ref, rtol=1e-6)
+
+
+def _distilled(student, x, y, teacher_params):  # (the new gradients under `params_grads`)
+    def loss_fn(s):
+        t = jax.lax.stop_gradient(jnp.tanh(x @ teacher_params[0]) @ teacher_params[1])
+        return jnp.mean((jnp.tanh(x @ s[0]) @ s[1] - t) ** 2)
+
+    loss, params_grads = jax.value_and_grad(loss_fn)(student)
+    student = jax.tree.map(lambda p, g: p - 0.1 * g, student, params_grads)
+    return student, params_grads, loss
+
+
+def test_gradients_under_a_name_saying_so_are_no_teacher_s_new_value():
+    """`params_grads` beside `teacher_params`: a shared word, but the name says gradients
+    and the parameter's does not (carried as the teacher silently before)."""
+    s0 = (jnp.full((3, 4), 0.1), jnp.full((4,), 0.2))
+    t0 = (jnp.full((3, 4), 0.3), jnp.full((4,), -0.1))
+    xs, ys = _SCALARS_XS, _SCALARS_YS
+    with pytest.raises(autoflat.OptionError, match="it holds gradients"):
+        autoflat.step(_distilled, num_steps=K)(s0, xs, ys, t0)
+    step = autoflat.step(_distilled, num_steps=K, broadcast="teacher_params")
+    (got,), _ = _run(step, (s0,), (xs, ys), K, K, rest=(t0,))
+    ref, _ = _reference(_distilled, (s0,), (xs, ys), K, rest=(t0,))
+    tree_allclose(got, ref[0], rtol=1e-6)

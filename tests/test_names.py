@@ -48,6 +48,10 @@ CASES = [
     (names.may_name, "xs", "x", False),
     (names.may_name, "images", "im", False),
     (names.may_name, "params", "loss", False),
+    (names.named_as_gradients, "prev_g", "g", True),
+    (names.named_as_gradients, "last_grads", "grads", True),
+    (names.named_as_gradients, "teacher_params", "params_grads", False),
+    (names.named_as_gradients, "teacher_params", "new_params", True),
     (names.extreme_named, "best_loss", "new_best", True),
     (names.extreme_named, "max_gnorm", "running_max", True),
     (names.extreme_named, "min_val", "cur_min", True),
@@ -68,6 +72,7 @@ def test_rule_on_a_name(rule, p, name, expected):
         names.named_within,
         names.named_after,
         names.may_name,
+        names.named_as_gradients,
         names.extreme_named,
     ],
 )

@@ -165,7 +165,7 @@ def _refuse_carried_readings(run: Run, first: Return) -> None:
     models = frozenset(p for p in run.given_back() if _of_a_model(values[p]))
     refuse_unlinked(
         analysis, values, run.by_value, outputs, flow,
-        lambda p, pos: _names.named_after(p, pos, first.names),
+        lambda p, pos: _names.named_as_gradients(p, pos, first.names),
         lambda p, pos: _names.named_within(p, pos, first.names),
         run.new_value_of, run.only_gradients(), num_steps, per_step, per_step | models,
     )  # fmt: skip

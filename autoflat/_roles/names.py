@@ -10,6 +10,8 @@ dropped) and reads them against the parameter's, from the strictest to the loose
 - `named_within`: a name holding the parameter's head word (`new_weights` for
   `expert_weights`, `new_lr` for `lr_state`; not `loss` for `loss_weights`);
 - `named_after`: a name sharing a word with it (`ema_params` for `ema`);
+- `named_as_gradients`: `named_after`, for gradients given back, unless only the name says
+  gradients (`params_grads` for `teacher_params`);
 - `may_name`: `named_after`, words for new only (`updated`), or a word beside one that begins
   the parameter's name (`p_next` for `params`);
 - `extreme_named` (aside): a shared word for a running extreme (`new_best` for `best_loss`).
@@ -81,6 +83,14 @@ def named_after(p: str, name: str) -> bool:
     """Whether the name shares a word with `p` (`new_v`, `v2`, `loss` for `prev_loss`): the
     step's own words for `p`'s new value."""
     return _named_after(p, name)
+
+
+@_at_position
+def named_as_gradients(p: str, name: str) -> bool:
+    """For gradients given back: whether the name shares a word with `p` and says gradients
+    only if `p`'s name does (`g` for `prev_g`, `grads` for `last_grads`; not `params_grads`
+    for `teacher_params`, the new gradients beside a teacher's parameters)."""
+    return _named_after(p, name) and (names_gradients(p) or not names_gradients(name))
 
 
 @_at_position

@@ -243,10 +243,11 @@ def refuse_unlinked(
     made from per-step arguments alone: the input in an RNN carry `(h, x)`, `(h, x / 2)`),
     or the position returns gradients in every `return` (`gradients`: computed from
     whatever the loss reads; unless the parameter's name says gradients, `prev_grads`),
-    and nothing else says the position is its new value (`named`: a returned name sharing
-    a word with it, `g` for `prev_g`; for a dict where a leaf weighs a value alone, below, a
-    name of its words alone (`within`); for other than gradients, `evidence`: named parts
-    computed from it, an addition taking its own array): the type is all that links them
+    and nothing else says the position is its new value (for gradients, `named`: a returned
+    name sharing a word with it that says gradients only if its own does, `g` for `prev_g`,
+    not `params_grads` for `teacher_params`; for other positions a name holding its head
+    word, `within`, or `evidence`: named parts computed from it, an addition taking its own
+    array): the type is all that links them
     (a tuple of clip bounds beside a metrics tuple, a teacher's parameters beside the
     returned gradients). For a container of scalar arrays also a leaf computed from it only
     through reductions (`_only_reduced`), or weighing a value of the step by one of its
