@@ -3238,3 +3238,34 @@ def test_profile_host_time_is_autoflats_and_the_dispatch():
     report = autoflat.profile(step, params, _tx_profile.init(params), jnp.ones((4, 8, 3)), calls=3)
     assert report.host_s == pytest.approx(report.autoflat_s + report.dispatch_s)
     assert report.autoflat_s > 0 and report.dispatch_s > 0
+
+
+def _episode_returns(w, ep_ret, obs, reward, done):  # (4 environments at num_steps=4)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((obs @ w - reward) ** 2))(w)
+    return w - 0.1 * g, jnp.where(done, 0.0, ep_ret + reward), loss
+
+
+@claim(
+    FAQ,
+    'but a carry updated elementwise and returned as an expression, `jnp.where(done, 0.0, ep_ret + reward)`, reads like a per-step schedule broadcast against 4 environments: it is sliced per step, as the header\'s `[rule: leading-axis]` says. Declare it, `state="ep_ret"`, or pick another `num_steps`.',
+)
+def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring():
+    k, envs = 4, 4
+    w0, r0 = jnp.full((3,), 0.1), jnp.zeros(envs)
+    obs = jax.random.normal(jax.random.key(0), (2 * k, envs, 3))
+    rewards = jax.random.uniform(jax.random.key(1), (2 * k, envs))
+    done = jnp.arange(2 * k * envs).reshape(2 * k, envs) % 3 == 0
+    ref = jax.jit(_episode_returns)
+    w, r = w0, r0
+    for t in range(2 * k):
+        w, r, _ = ref(w, r, obs[t], rewards[t], done[t])
+    step = autoflat.step(_episode_returns, num_steps=k)
+    step(w0, r0, obs[:k], rewards[:k], done[:k])
+    assert "# ep_ret: scanned" in autoflat.show(step)
+    assert "[rule: leading-axis]" in autoflat.show(step).split("# ep_ret:")[1].splitlines()[0]
+    step = autoflat.step(_episode_returns, num_steps=k, state="ep_ret")
+    gw, gr = w0, r0
+    for start in (0, k):
+        s = slice(start, start + k)
+        gw, gr, _ = step(gw, gr, obs[s], rewards[s], done[s])
+    tree_allclose((autoflat.unwrap(gw), autoflat.unwrap(gr)), (w, r), rtol=1e-6)
