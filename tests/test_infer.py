@@ -3499,7 +3499,7 @@ def _batch_norm_state(w, state, x):
 
 @claim(
     "docs/roles.md",
-    "or elementwise, under a name that may be its new value (running statistics of 4 features returned as `new_state`)",
+    "or elementwise, under a name sharing a word with it (running statistics of 4 features returned as `new_state`)",
 )
 def test_statistics_of_num_steps_features_under_their_new_name_are_asked_about():
     """Sliced per step, each step would update one feature's statistic from every feature's
@@ -3574,3 +3574,22 @@ def test_gradients_under_a_name_saying_so_are_no_teacher_s_new_value():
     (got,), _ = _run(step, (s0,), (xs, ys), K, K, rest=(t0,))
     ref, _ = _reference(_distilled, (s0,), (xs, ys), K, rest=(t0,))
     tree_allclose(got, ref[0], rtol=1e-6)
+
+
+def _update_logged(w, lr, x, y):  # (a per-step rate times the gradients, logged as `upd`)
+    loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - y) ** 2))(w)
+    upd = lr * g
+    return w - upd, loss, upd
+
+
+def test_a_per_step_rate_times_gradients_logged_as_upd_is_per_step():
+    """Four weights at num_steps=4 declared state; `upd = lr * g` has the rates' whole shape
+    from a slice, elementwise, under a word for new only: a per-step output (asked about by
+    a first version of the name clause of the carry check)."""
+    w0 = jnp.full((K,), 0.1)
+    lrs, xs, ys = jnp.linspace(0.1, 0.01, K), _batches(K, (K, K), seed=3), _batches(K, (K,), 2)
+    (rw,), routs = _reference(_update_logged, (w0,), (lrs, xs, ys), K)
+    step = autoflat.step(_update_logged, num_steps=K, state="w")
+    (gw,), gouts = _run(step, (w0,), (lrs, xs, ys), K, K)
+    tree_allclose(autoflat.unwrap(gw), rw, rtol=1e-5)
+    tree_allclose(gouts[0], jax.tree.map(lambda *o: jnp.stack(o), *routs), rtol=1e-5)

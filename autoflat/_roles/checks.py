@@ -302,10 +302,10 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
 
 def _carried_there(p: str, pos: int, here: Flow, first: Return) -> bool:
     """Whether return position `pos` looks like the new value of a carry `p`: computed from a
-    contraction taking its own value (`Flow.mixed`: `h @ wh`), or from it under a name that
-    may be its new value (`names.may_name`: `new_state` for `state`, BatchNorm statistics
-    updated elementwise)."""
-    return p in here.mixed or (p in here.sources and _names.may_name(p, pos, first.names))
+    contraction taking its own value (`Flow.mixed`: `h @ wh`), or from it under a name
+    sharing a word with it (`names.named_after`: `new_state` for `state`, BatchNorm
+    statistics updated elementwise; not `upd` for a per-step `lr`, `upd = lr * g`)."""
+    return p in here.mixed or (p in here.sources and _names.named_after(p, pos, first.names))
 
 
 def _partly_whole(value: Any, out: Any) -> bool:
