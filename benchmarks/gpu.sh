@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The benchmark report's core tables on a GPU, in a few minutes: per-step time at num_steps
-# 1 and 10 against jax.jit, the hand-written recipe, eqx.filter_jit and nnx.jit, packing
-# (section 2), overhead against the number of leaves (3), compile time and memory (4).
+# The benchmark report's core tables on an accelerator (a GPU or a TPU), in a few minutes:
+# per-step time at num_steps 1 and 10 against jax.jit, the hand-written recipe,
+# eqx.filter_jit and nnx.jit, packing (section 2), overhead against the number of leaves (3),
+# compile time and memory (4).
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]      # default: benchmarks/results/gpu
 #
-# Needs JAX with its GPU plugin, equinox, flax, optax and libcst; run from anywhere.
+# Needs JAX for the accelerator (its GPU plugin, or libtpu), equinox, flax, optax and
+# libcst; run from anywhere. On a TPU v5e it took about 5 min (sections 2 and 3-4 apart).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}

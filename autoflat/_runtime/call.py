@@ -246,7 +246,7 @@ _Taken = tuple[Structure, list[Any], Placement | None, Layout | None]
 def _pack_mode(step: Any, call: Call, k: int) -> PackMode:
     """How state argument `k` travels (`_host.mode_for`)."""
     written_back = any(j == k for j, _ in call.program.written_back_idx)
-    return _host.mode_for(step.pack, written_back)
+    return _host.mode_for(step.pack, written_back, step.num_steps)
 
 
 def _take_nnx_hit(step: Any, call: Call, hit: _nnx.NnxCache, k: int) -> _Taken:

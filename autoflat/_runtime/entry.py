@@ -247,7 +247,7 @@ def _layout_out(spec: CallSpec, k: int, flat: FlatState) -> _transport.Layout | 
     new one if the structure changed."""
     written_back = any(j == k for j, _ in spec.program.written_back_idx)
     linked = spec.links is not None and spec.links[k] is not None
-    pack = not linked and _host.mode_for(spec.pack, written_back)
+    pack = not linked and _host.mode_for(spec.pack, written_back, spec.num_steps)
     if not pack or jax.tree_util.treedef_is_leaf(flat.structure.treedef):
         return None
     placement = spec.placements[k]

@@ -7,8 +7,10 @@ afterwards) and measures, on this machine:
 - the host time of a call, from its entry to the return of the dispatch (the outputs of the
   previous call awaited first, so nothing else is in it), and of that the launch: the
   dispatch of the compiled program alone;
-- the device time of one step: the compiled program alone, its outputs awaited, divided by
-  `num_steps`;
+- the device time of one step: the compiled program alone, its outputs awaited, less the
+  same for a program computing nothing on the same buffers (on an accelerator, awaiting any
+  program takes a round trip to the device), divided by `num_steps`; JAX's dispatch of the
+  buffers, host work, is that program's call to its return;
 - from those two, the share of each step's wall time that is host work at the step's
   `num_steps` (host and device taking turns, as on a CPU, or on an accelerator whose queue
   runs dry), and the smallest `num_steps` at which that share falls under 5%, with the memory
@@ -57,8 +59,10 @@ class Profile:
     calls: int  # calls measured
     autoflat_s: float  # autoflat's own host time per call, before and after the launch
     launch_s: float  # the launch: the compiled program's dispatch, to its return
-    dispatch_s: float  # JAX's dispatch of the call's buffers (a program computing nothing)
-    device_s: float  # one step: the program alone, its outputs awaited, less the dispatch
+    dispatch_s: float  # JAX's dispatch of the call's buffers (a program computing nothing),
+    # to the return of the call
+    roundtrip_s: float  # that program launched and its outputs awaited
+    device_s: float  # one step: the program alone, its outputs awaited, less the round trip
     step_input_bytes: int  # one step's per-step inputs
     flattens_per_call: float  # in the measured loop, which feeds the returned state back
     copies_per_call: float
@@ -193,7 +197,8 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         autoflat_s=medians["autoflat"],
         launch_s=medians["launch"],
         dispatch_s=medians["dispatch"],
-        device_s=max(medians["program"] - medians["dispatch"], 0.0) / step.num_steps,
+        roundtrip_s=medians["roundtrip"],
+        device_s=max(medians["program"] - medians["roundtrip"], 0.0) / step.num_steps,
         step_input_bytes=step_bytes,
         flattens_per_call=counts["flattens"] / calls,
         copies_per_call=counts["copies"] / calls,
@@ -312,8 +317,10 @@ def _time(
     (`autoflat`: a step call's own host work before and after its launch, the previous
     results awaited; `launch`: its launch, to the return of the dispatch; `program`: the
     program alone with its outputs awaited; `dispatch`: a program that computes nothing on
-    the same buffers, awaited), the counters the
-    calls moved, and one step's per-step input bytes."""
+    the same buffers, to the return of its call; `roundtrip`: the same, its outputs awaited:
+    on an accelerator, awaiting even an empty program takes a round trip to the device that
+    is neither host work nor the step's), the counters the calls moved, and one step's
+    per-step input bytes."""
     before = step.stats.snapshot()
     prepared = prepare(step, bound.args, bound.kwargs)
     jit = runner(step, prepared.spec, prepared.inputs())
@@ -323,7 +330,8 @@ def _time(
     state: tuple[list[Any], ...] | None = None  # the program's own, chained while they can be
     noop = jax.jit(_noop, donate_argnums=(0,) if donating else ())
     noop_state = noop(_copied(source), xs, bcast)  # compiled before the timing
-    times: dict[str, list[float]] = {"autoflat": [], "launch": [], "program": [], "dispatch": []}
+    times: dict[str, list[float]] = {k: [] for k in ("autoflat", "launch", "program")}
+    times["dispatch"], times["roundtrip"] = [], []
     clock: list[float] = []
     for _ in range(calls):
         bound, result = _call_and_chain(step, program, bound, clock)
@@ -338,8 +346,11 @@ def _time(
         if donating:
             state = _next_state(raw, state)
         t0 = time.perf_counter()
-        noop_state = jax.block_until_ready(noop(noop_state, xs, bcast))
-        times["dispatch"].append(time.perf_counter() - t0)
+        noop_state = noop(noop_state, xs, bcast)
+        t1 = time.perf_counter()
+        noop_state = jax.block_until_ready(noop_state)
+        times["dispatch"].append(t1 - t0)
+        times["roundtrip"].append(time.perf_counter() - t0)
     counts = {
         f.name: getattr(step.stats, f.name) - getattr(before, f.name)
         for f in dataclasses.fields(before)

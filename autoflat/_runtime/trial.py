@@ -144,11 +144,12 @@ def dry_call(
     instance), but with the caller's own arrays where it would copy them (the same abstract
     values: a trace takes nothing)."""
     structures, leaves, placements, layouts = [], [], [], []
+    mode = mode_for(step.pack, False, step.num_steps)
     for i in program.state_idx:
         a = args[i]
         structure, arrays = flatten(a)
         placement = placement_of(arrays)
-        layout = None if is_array(a) else host_layout(arrays, placement, mode_for(step.pack, False))
+        layout = None if is_array(a) else host_layout(arrays, placement, mode)
         structures.append(structure)
         placements.append(placement)
         layouts.append(layout)

@@ -34,6 +34,17 @@ _unpack_jit = jax.jit(unpack, static_argnums=0)
 # 220 µs against 440 µs on the host for 200 leaves).
 _HOST_CALLS = 2
 
+# Under `pack="auto"` on a TPU, a step of at least this many steps a call takes its state one
+# buffer per leaf. A packed buffer carried through the `num_steps` scan has its leaves cut out
+# (into the TPU's tiled layouts) and packed again in every step, which costs device time per
+# step; one buffer per leaf costs host time per call, shared by the call's steps. On one TPU
+# v5e chip, the narrow ResNet50 of the benchmark report with Adam (484 state arrays), µs per
+# step, packed against one buffer per leaf (round-robin, medians of 7): 400 vs 1,170 at 2
+# steps a call, 399 vs 568 at 4, 357 vs 311 at 8, 357 vs 273 at 16, 367 vs 300 at 10, 389 vs
+# 255 at 100. Both costs grow with the number of leaves, so the crossing point does not
+# depend much on it. On a CPU and a GPU the packed buffer stays faster at 10 steps a call.
+TPU_UNPACKED_STEPS = 8
+
 
 def _host_device(layout: Layout, arrays: Sequence[Any], kind: int) -> tuple[Any, bool] | None:
     """(device, committed) when `arrays` may be copied on the host instead (see
@@ -105,13 +116,23 @@ def unpack_on_device(layout: Layout, buffers: Sequence[Any]) -> list[Any]:
     return arrays
 
 
-def mode_for(mode: PackMode, written_back: bool) -> PackMode:
-    """The mode for one state argument. Under `"auto"`, state that is written back into the
-    caller's objects after each call (Flax NNX mutation style) travels one buffer per leaf:
-    those objects hold one array per leaf, so packing would cost a device call to pack their
-    arrays and another to unpack the results on every call (2-3x slower per step on the NNX
-    ResNet of the zoo)."""
-    return False if mode == "auto" and written_back else mode
+def mode_for(mode: PackMode, written_back: bool, num_steps: int) -> PackMode:
+    """The mode for one state argument of a step of `num_steps` steps a call. Under `"auto"`,
+    two kinds of state travel one buffer per leaf:
+
+    - state written back into the caller's objects after each call (Flax NNX mutation
+      style): those objects hold one array per leaf, so packing would cost a device call to
+      pack their arrays and another to unpack the results on every call (2-3x slower per step
+      on the NNX ResNet of the zoo);
+    - on a TPU, the state of a step of at least `TPU_UNPACKED_STEPS` steps a call (see
+      there)."""
+    if mode != "auto":
+        return mode
+    if written_back:
+        return False
+    if num_steps >= TPU_UNPACKED_STEPS and jax.default_backend() == "tpu":
+        return False
+    return mode
 
 
 def host_layout(arrays: Sequence[Any], placement: Any, mode: PackMode) -> Layout | None:

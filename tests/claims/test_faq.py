@@ -2998,7 +2998,7 @@ def test_auto_packs_small_leaves_per_dtype():
 
 @claim(
     FAQ,
-    "and so does state written back into your objects (Flax NNX mutation style) and the state of a `lazy=False` step (both are real objects, one array per leaf).",
+    "and so does state written back into your objects (Flax NNX mutation style) and the state of a `lazy=False` step (both are real objects, one array per leaf)",
 )
 def test_auto_leaves_written_back_and_lazy_false_state_unpacked():
     from flax import nnx
@@ -3014,6 +3014,33 @@ def test_auto_leaves_written_back_and_lazy_false_state_unpacked():
     step = autoflat.step(train)
     assert _main_args(step.lower(Model(), jnp.ones(())).as_text()) == 40 + 1
     assert _buffers(_small_leaves(), lazy=False) == 40 + 1
+
+
+def _scale_each_step(params, xs):
+    return jax.tree.map(lambda a: a * xs, params), xs.sum()
+
+
+@claim(
+    FAQ,
+    "and on a TPU the state of a step of 8 or more steps a call",
+)
+def test_auto_leaves_the_state_of_8_or_more_steps_a_call_unpacked_on_a_tpu(monkeypatch):
+    """The rule reads `jax.default_backend()`; here it is made to say "tpu" (the CPU's
+    programs are lowered all the same): 40 small leaves travel as one buffer at 7 steps a
+    call and as 40 at 8, and give the same results as `pack=False`."""
+    params, xs = _small_leaves(), jnp.linspace(0.5, 1.5, 8)
+    for k, buffers in ((7, 1), (8, 40)):
+        step = autoflat.step(_scale_each_step, num_steps=k)
+        monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+        assert _main_args(step.lower(params, xs[:k]).as_text()) == buffers + 1
+        got = step(params, xs[:k])
+        monkeypatch.undo()
+        ref = autoflat.step(_scale_each_step, num_steps=k, pack=False)(params, xs[:k])
+        tree_allclose(autoflat.unwrap(got), autoflat.unwrap(ref), exact=True)
+    assert _main_args(step.lower(params, xs).as_text()) == 1 + 1  # on the CPU: packed
+    forced = autoflat.step(_scale_each_step, num_steps=8, pack=True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert _main_args(forced.lower(params, xs).as_text()) == 1 + 1  # pack=True packs
 
 
 @claim(
