@@ -330,8 +330,7 @@ def _time(
     state: tuple[list[Any], ...] | None = None  # the program's own, chained while they can be
     noop = jax.jit(_noop, donate_argnums=(0,) if donating else ())
     noop_state = noop(_copied(source), xs, bcast)  # compiled before the timing
-    times: dict[str, list[float]] = {k: [] for k in ("autoflat", "launch", "program")}
-    times["dispatch"], times["roundtrip"] = [], []
+    times: dict[str, list[float]] = {k: [] for k in _TIMED}
     clock: list[float] = []
     for _ in range(calls):
         bound, result = _call_and_chain(step, program, bound, clock)
@@ -358,6 +357,9 @@ def _time(
     xs_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(xs))
     step_bytes = xs_bytes // step.num_steps if step.num_steps > 1 else xs_bytes
     return {k: statistics.median(v) for k, v in times.items()}, counts, step_bytes
+
+
+_TIMED = ("autoflat", "launch", "program", "dispatch", "roundtrip")  # what `_time` times
 
 
 def _noop(state: Any, xs: Any, bcast: Any) -> Any:

@@ -40,9 +40,11 @@ _HOST_CALLS = 2
 # step; one buffer per leaf costs host time per call, shared by the call's steps. On one TPU
 # v5e chip, the narrow ResNet50 of the benchmark report with Adam (484 state arrays), µs per
 # step, packed against one buffer per leaf (round-robin, medians of 7): 400 vs 1,170 at 2
-# steps a call, 399 vs 568 at 4, 357 vs 311 at 8, 357 vs 273 at 16, 367 vs 300 at 10, 389 vs
-# 255 at 100. Both costs grow with the number of leaves, so the crossing point does not
-# depend much on it. On a CPU and a GPU the packed buffer stays faster at 10 steps a call.
+# steps a call, 399 vs 568 at 4, 357 vs 311 at 8, 357 vs 273 at 16, 367 vs 265 at 32 (on
+# another machine of that kind: 367 vs 300 at 10, 389 vs 255 at 100). Both costs grow with
+# the number of leaves, so the crossing point depends little on it. On a CPU and a GPU the
+# packed buffer stays the faster at 10 steps a call (the report's section 2; where they cross:
+# benchmarks/bench_pack_steps.py).
 TPU_UNPACKED_STEPS = 8
 
 
