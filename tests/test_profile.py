@@ -56,8 +56,9 @@ def test_a_state_of_many_leaves_the_step_barely_touches_is_host_bound():
 def test_a_device_round_trip_is_neither_host_work_nor_the_step_s(monkeypatch):
     """On an accelerator, awaiting any program takes a round trip to the device (about
     0.7 ms on a TPU): it is not host work that more steps a call would share, nor device time
-    of the step. Simulated here: every await takes 50 ms longer. The 300 tiny leaves stay
-    host-bound, with the 50 ms in `roundtrip_s` only."""
+    of the step. Simulated here: every await takes 50 ms longer; the 50 ms goes into
+    `roundtrip_s` only (the sleep's jitter leaves the device figure too noisy to compare with
+    the host's here)."""
     step, params, opt_state = _tiny_leaves_step()
     params, opt_state, _ = step(params, opt_state, jnp.ones(2))
     wait = jax.block_until_ready
@@ -71,7 +72,6 @@ def test_a_device_round_trip_is_neither_host_work_nor_the_step_s(monkeypatch):
     p = autoflat.profile(step, params, opt_state, jnp.ones(2), calls=3)
     assert p.roundtrip_s >= 0.05 > p.dispatch_s  # a dispatch does not wait for the device
     assert p.host_s < 0.05 and p.device_s < 0.05
-    assert p.host_bound
 
 
 def test_a_large_matmul_step_is_device_bound():
