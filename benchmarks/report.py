@@ -783,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, writer in (("report.md", write_markdown), ("report.png", write_chart)):
         try:
             writer(report, out_dir / what)
+        except ModuleNotFoundError as e:  # matplotlib, on an accelerator's bare machine
+            log(f"{what} not written: {e} (the tables are complete without it)")
         except Exception:
             report["errors"][what] = traceback.format_exc()
             log(f"writing {what} FAILED:\n{report['errors'][what]}")
