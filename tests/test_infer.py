@@ -2702,18 +2702,24 @@ def _loss_parts_camel(w, lossWeights, x, y):  # noqa: N803 (camel case, as some 
     "docs/roles.md",
     "nor is a word its returned name shares with it beside others (only a name of its own words, beside words for new, is: `new_weights` for `expert_weights`)",
 )
+def _asked_then_broadcast(fn, start):
+    """`fn(w, weights, x, y)` at num_steps=4 asks whether its dict is broadcast; declared
+    so, it equals the jax.jit loop."""
+    w0 = jnp.ones(3)
+    param = list(inspect.signature(fn).parameters)[1]
+    with pytest.raises(autoflat.OptionError, match=f'broadcast="{param}"'):
+        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    got = autoflat.step(fn, num_steps=4, broadcast=param)(w0, start, _SCALARS_XS, _SCALARS_YS)
+    tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
+
+
 @claim("docs/roles.md", "`loss_parts` beside `loss_weights` too")
 @pytest.mark.parametrize("fn", [_loss_parts, _loss_parts_camel])
 def test_loss_weights_and_parts_sharing_a_word_of_their_names_are_asked_about(fn):
     """`loss_weights` beside `loss_parts` (or `lossWeights`, `lossParts`): a word of the names
     is no more evidence than the keys; only the dict's own name, or it with a word for new,
     is."""
-    w0, start = jnp.ones(3), {"ce": jnp.float32(1.0), "l2": jnp.float32(0.01)}
-    param = list(inspect.signature(fn).parameters)[1]
-    with pytest.raises(autoflat.OptionError, match=f'broadcast="{param}"'):
-        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
-    got = autoflat.step(fn, num_steps=4, broadcast=param)(w0, start, _SCALARS_XS, _SCALARS_YS)
-    tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
+    _asked_then_broadcast(fn, {"ce": jnp.float32(1.0), "l2": jnp.float32(0.01)})
 
 
 def _log_space_parts(w, log_weights, x, y):  # (loss weights kept as logs)
@@ -2739,12 +2745,7 @@ def test_loss_weights_through_a_value_of_their_own_beside_the_parts_are_asked_ab
     """The weighted parts weigh by a value of the dict's leaf alone (`jnp.exp(log_w)`, `w /
     total`), not the leaf itself: the keys are no evidence either (carried silently
     before, each step weighing by the last step's weighted losses)."""
-    w0, start = jnp.ones(3), {"ce": jnp.float32(1.0), "l2": jnp.float32(0.1)}
-    param = list(inspect.signature(fn).parameters)[1]
-    with pytest.raises(autoflat.OptionError, match=f'broadcast="{param}"'):
-        autoflat.step(fn, num_steps=4)(w0, start, _SCALARS_XS, _SCALARS_YS)
-    got = autoflat.step(fn, num_steps=4, broadcast=param)(w0, start, _SCALARS_XS, _SCALARS_YS)
-    tree_allclose(got, _jit_loop(fn, w0, start, True), rtol=1e-6)
+    _asked_then_broadcast(fn, {"ce": jnp.float32(1.0), "l2": jnp.float32(0.1)})
 
 
 def _named_scale(w, ls, x, y):  # (a dynamic loss scale kept in a dict)
