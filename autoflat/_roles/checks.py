@@ -265,8 +265,8 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     """An argument taken per-step by its leading axis (rule 10) that one step gives back
     with its whole structure and shapes (`_partly_whole`) at an open return position that
     looks like a carry's new value (`_carried_there`: a contraction taking its own value,
-    `h @ wh`, as a recurrent cell computes its new state, or a name that may be its new
-    value), an expression or a container written in the return as much as a name: refused
+    `h @ wh`, as a recurrent cell computes its new state, or a name sharing a word with
+    it), an expression or a container written in the return as much as a name: refused
     where carried whole it is given back so too (`hazards.check_whole_per_step`). A per-step
     schedule, label or shift broadcast against a batch of num_steps (`beta * per_example`,
     `x + shift`) gives back that shape too, only elementwise: a per-step output, as the

@@ -197,7 +197,7 @@ def check_whole_per_step(
     """An argument read as per-step by its leading axis alone (rule 10) that one step,
     reading it sliced, gives back with its whole structure and shapes at an open return
     position that looks like its new value (`hits`: computed from a contraction taking its
-    own value, or under a name that may be its new value), and that the same step, with
+    own value, or under a name sharing a word with it), and that the same step, with
     it carried whole (`carried`: that evaluation's positions), gives back so there too: the
     hidden state of an RNN whose batch happens to be num_steps (each step's slice broadcast
     against the step's batch of 4 at num_steps=4), returned as an expression
