@@ -269,20 +269,23 @@ def profile(fn: Step, *args: Any, calls: int = 20, **kwargs: Any) -> Profile:
     arguments of these shapes it compiles only a small program that computes nothing, to
     time JAX's dispatch of the buffers). It measures the host time of a call (autoflat's own
     and the dispatch), the device time of one step, and from them the share of each step's
-    time spent on the host and the smallest `num_steps` that brings it under 5%; and the
-    flattens, copies and rebuilds per call, where the step's handles were rebuilt, and why it
-    recompiled.
+    time spent on the host and the smallest `num_steps` that brings it under 5%; the time of
+    a step in a loop of calls back to back and the share of it beyond the device time; and
+    the flattens, copies and rebuilds per call, where the step's handles were rebuilt, and
+    why it recompiled.
 
     **Arguments:**
 
     - `fn`: a function decorated with `autoflat.step` (or a method step through its instance).
     - `*args`, `**kwargs`: arguments as for a call of the step.
-    - `calls`: how many calls to time (the program alone runs half as often).
+    - `calls`: how many calls to time one by one, and again back to back (the program alone
+      runs as often).
 
     **Returns:**
 
     A `Profile`: its fields and properties are the figures (`host_s`, `device_s`,
-    `host_share`, `host_bound`, `suggested_num_steps`, ...); `str()` is the report.
+    `host_share`, `host_bound`, `suggested_num_steps`, `loop_overhead`, ...); `str()` is the
+    report.
 
     ```python
     >>> import autoflat, jax.numpy as jnp

@@ -47,6 +47,7 @@ def test_a_state_of_many_leaves_the_step_barely_touches_is_host_bound():
     p = autoflat.profile(touch_one, state, jnp.ones(2), calls=5)
     assert p.host_bound
     assert p.host_share > 0.5
+    assert p.loop_overhead > 0.5 and "beyond the device time" in str(p)
     assert p.suggested_num_steps > 1
     assert p.dispatch_s > 0 and p.autoflat_s >= 0
     assert "host-bound" in str(p)
@@ -85,6 +86,7 @@ def test_a_large_matmul_step_is_device_bound():
     p = autoflat.profile(heavy, w, jnp.ones((768, 768)), calls=3)
     assert not p.host_bound
     assert p.host_share < 0.05
+    assert p.loop_overhead < 0.5  # (a loop of 3 calls against the program's median)
     assert p.suggested_num_steps == 1
     assert "device-bound" in str(p) and "num_steps=1 keeps host work under 5%" in str(p)
 

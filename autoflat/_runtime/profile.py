@@ -15,6 +15,10 @@ afterwards) and measures, on this machine:
   `num_steps` (host and device taking turns, as on a CPU, or on an accelerator whose queue
   runs dry), and the smallest `num_steps` at which that share falls under 5%, with the memory
   one call's stacked per-step inputs would then take;
+- the time of a step in a loop of calls back to back, as a training loop makes them, and
+  the share of it beyond the device time: where the device runs while the host prepares the
+  next call (an accelerator's queue), the host's work hides behind it, which the share
+  above, counting host and device in turns, does not see;
 - what else costs time: flattens, copies and rebuilds per call in a loop that feeds the
   returned state back (with the lines where the step's handles were rebuilt over its life),
   and the step's recompiles with their causes.
@@ -63,6 +67,7 @@ class Profile:
     # to the return of the call
     roundtrip_s: float  # that program launched and its outputs awaited
     device_s: float  # one step: the program alone, its outputs awaited, less the round trip
+    loop_s: float  # one call in a loop of calls back to back, awaited at its end
     step_input_bytes: int  # one step's per-step inputs
     flattens_per_call: float  # in the measured loop, which feeds the returned state back
     copies_per_call: float
@@ -76,6 +81,12 @@ class Profile:
         """Host work per call that more steps a call would share: autoflat's own and JAX's
         dispatch of the buffers."""
         return self.autoflat_s + self.dispatch_s
+
+    @property
+    def loop_overhead(self) -> float:
+        """The share of each step's time in a loop of calls back to back that is not the
+        device's (host work that the device's did not hide)."""
+        return max(self.loop_s - self.num_steps * self.device_s, 0.0) / self.loop_s
 
     @property
     def host_share(self) -> float:
@@ -144,6 +155,10 @@ def report(p: Profile) -> str:
             f"  num_steps={k} would bring it under 5% (stacked per-step inputs: "
             f"{_bytes(p.suggested_input_bytes)} a call)"
         )
+    lines.append(
+        f"  in a loop       {_t(p.loop_s / p.num_steps)} a step, {p.loop_overhead:.0%} of it "
+        "beyond the device time (host work the device's did not hide)"
+    )
     per = (p.flattens_per_call, p.copies_per_call, p.rebuilds_per_call)
     lines.append("  per call        {:.1f} flattens, {:.1f} copies, {:.1f} rebuilds".format(*per))
     h = p.history
@@ -199,6 +214,7 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         dispatch_s=medians["dispatch"],
         roundtrip_s=medians["roundtrip"],
         device_s=max(medians["program"] - medians["roundtrip"], 0.0) / step.num_steps,
+        loop_s=medians["loop"],
         step_input_bytes=step_bytes,
         flattens_per_call=counts["flattens"] / calls,
         copies_per_call=counts["copies"] / calls,
@@ -319,7 +335,8 @@ def _time(
     program alone with its outputs awaited; `dispatch`: a program that computes nothing on
     the same buffers, to the return of its call; `roundtrip`: the same, its outputs awaited:
     on an accelerator, awaiting even an empty program takes a round trip to the device that
-    is neither host work nor the step's), the counters the calls moved, and one step's
+    is neither host work nor the step's; `loop`: a call in a loop of calls back to back,
+    awaited at its end), the counters the calls moved before that loop, and one step's
     per-step input bytes."""
     before = step.stats.snapshot()
     prepared = prepare(step, bound.args, bound.kwargs)
@@ -354,6 +371,11 @@ def _time(
         f.name: getattr(step.stats, f.name) - getattr(before, f.name)
         for f in dataclasses.fields(before)
     }
+    t0 = time.perf_counter()
+    for _ in range(calls):  # as a training loop calls it: back to back
+        bound, result = _call_and_chain(step, program, bound)
+    _block(result)
+    times["loop"] = [(time.perf_counter() - t0) / calls]
     xs_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(xs))
     step_bytes = xs_bytes // step.num_steps if step.num_steps > 1 else xs_bytes
     return {k: statistics.median(v) for k, v in times.items()}, counts, step_bytes

@@ -2760,7 +2760,11 @@ def test_profile_runs_on_copies_and_compiles_nothing_new():
 
 @claim(
     FAQ,
-    "The figures are also fields of the returned `autoflat.Profile` (`host_s`, `device_s`, `host_share`, `host_bound`, `suggested_num_steps`, `suggested_input_bytes`, ...).",
+    "The figures are also fields of the returned `autoflat.Profile` (`host_s`, `device_s`, `host_share`, `host_bound`, `suggested_num_steps`, `suggested_input_bytes`, `loop_overhead`, ...).",
+)
+@claim(
+    FAQ,
+    "**in a loop** is the time of a step in a loop of calls back to back (awaited at its end), as your training loop makes them, and the share of it beyond the device time.",
 )
 @claim(FAQ, "**host share** is host time over host plus device time for one call")
 @claim(
@@ -2782,6 +2786,10 @@ def test_profile_fields_and_their_relations():
     if 1 < best < 1000:
         assert share(best) < 0.05 <= share(best - 1)
     assert report.suggested_input_bytes == best * 8 * 3 * 4  # one step's x: 8 x 3 float32
+    loop = report.loop_s
+    assert loop > 0
+    assert report.loop_overhead == pytest.approx(max(loop - k * device, 0) / loop)
+    assert f"{report.loop_overhead:.0%} of it beyond the device time" in str(report)
 
 
 @claim(
