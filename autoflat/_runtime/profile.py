@@ -86,6 +86,8 @@ class Profile:
     def loop_overhead(self) -> float:
         """The share of each step's time in a loop of calls back to back that is not the
         device's (host work that the device's did not hide)."""
+        if self.loop_s <= 0:
+            return 0.0
         return max(self.loop_s - self.num_steps * self.device_s, 0.0) / self.loop_s
 
     @property
@@ -201,8 +203,8 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         program = prepare(step, bound.args, bound.kwargs).program
         bound = _copy_state(step, program, bound)
         for _ in range(2):  # the first call may trace; the second takes handles
-            bound, result = _call_and_chain(step, program, bound)
-        _block(result)
+            bound, ran = _call_and_chain(step, program, bound)
+        _block(ran)
         medians, counts, step_bytes = _time(step, program, bound, calls)
     return Profile(
         step=step.__qualname__,
@@ -287,9 +289,11 @@ def _call_and_chain(
     step: Any, program: Any, bound: inspect.BoundArguments, clock: list[float] | None = None
 ) -> tuple[inspect.BoundArguments, Any]:
     """Call the step as `Step.__call__` does, phase by phase (`clock` gets autoflat's own
-    time, before and after the launch, and the launch's), and the arguments of the next
-    call: the state it returned in place of the state passed (state written back is the
-    same object, changed in place)."""
+    time, before and after the launch, and the launch's). Returns the arguments of the next
+    call (the state it returned in place of the state passed; state written back is the
+    same object, changed in place) and what to wait for (`_block`): the call's result and
+    the program's own outputs, which hold the state written back too (a Flax NNX step that
+    returns nothing)."""
     t0 = time.perf_counter()
     take_graph_cache()
     step.stats.calls += 1
@@ -301,7 +305,7 @@ def _call_and_chain(
     result = hand_over(call, finish(step, call, state_out, outputs))
     if clock is not None:
         clock[:] = [(t1 - t0) + (time.perf_counter() - t2), t2 - t1]
-    return _chained(program, bound, result), result
+    return _chained(program, bound, result), (result, state_out, outputs)
 
 
 def _chained(program: Any, bound: inspect.BoundArguments, result: Any) -> inspect.BoundArguments:
@@ -314,13 +318,14 @@ def _chained(program: Any, bound: inspect.BoundArguments, result: Any) -> inspec
     return bound
 
 
-def _block(result: Any) -> None:
-    """Wait for a call's results, reading handles' buffers without unpacking them."""
+def _block(ran: Any) -> None:
+    """Wait for a call (`_call_and_chain`'s), reading handles' buffers without unpacking
+    them."""
     arrays = []
-    for x in jax.tree_util.tree_leaves(result, is_leaf=lambda y: type(y) is LazyHandle):
+    for x in jax.tree_util.tree_leaves(ran, is_leaf=lambda y: type(y) is LazyHandle):
         if type(x) is LazyHandle:
             arrays.extend(object.__getattribute__(x, "_af_arrays"))
-        else:
+        elif isinstance(x, jax.Array):
             arrays.append(x)
     jax.block_until_ready(arrays)
 
@@ -350,10 +355,10 @@ def _time(
     times: dict[str, list[float]] = {k: [] for k in _TIMED}
     clock: list[float] = []
     for _ in range(calls):
-        bound, result = _call_and_chain(step, program, bound, clock)
+        bound, ran = _call_and_chain(step, program, bound, clock)
         times["autoflat"].append(clock[0])
         times["launch"].append(clock[1])
-        _block(result)
+        _block(ran)
         if state is None:
             state = _copied(source)
         t0 = time.perf_counter()
@@ -373,8 +378,8 @@ def _time(
     }
     t0 = time.perf_counter()
     for _ in range(calls):  # as a training loop calls it: back to back
-        bound, result = _call_and_chain(step, program, bound)
-    _block(result)
+        bound, ran = _call_and_chain(step, program, bound)
+    _block(ran)
     times["loop"] = [(time.perf_counter() - t0) / calls]
     xs_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(xs))
     step_bytes = xs_bytes // step.num_steps if step.num_steps > 1 else xs_bytes
