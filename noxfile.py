@@ -41,7 +41,7 @@ PYTHONS = ["3.11", "3.12"]
 def tests(session: nox.Session) -> None:
     """The test suite (without the long tests), on Python 3.11 (JAX 0.10) and 3.12 (JAX 0.12)."""
     session.install("-e", ".[tests]")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -51,7 +51,7 @@ def tests_pack(session: nox.Session, pack: str) -> None:
     leaf (`off`, `pack=False`) or every leaf packed (`on`, `pack=True`)."""
     session.install("-e", ".[tests]")
     session.env["AUTOFLAT_PACK"] = pack
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", "-n", "auto", *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -65,7 +65,7 @@ def docs(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The long tests only (PAX's: `pax_slow`)."""
     session.install("-e", ".[tests]")
-    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow", "-n", "auto", *session.posargs)
 
 
 def _install_pax(session: nox.Session) -> None:
