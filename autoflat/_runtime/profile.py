@@ -7,10 +7,15 @@ afterwards) and measures, on this machine:
 - the host time of a call, from its entry to the return of the dispatch (the outputs of the
   previous call awaited first, so nothing else is in it), and of that the launch: the
   dispatch of the compiled program alone;
-- the device time of one step: the compiled program alone, its outputs awaited, less the
-  same for a program computing nothing on the same buffers (on an accelerator, awaiting any
-  program takes a round trip to the device), divided by `num_steps`; JAX's dispatch of the
-  buffers, host work, is that program's call to its return;
+- the device time of one step, divided by `num_steps` from a call's: the compiled program
+  alone, its outputs awaited, less the same for a program computing nothing on the same
+  buffers (on an accelerator, awaiting any program takes a round trip to the device); on
+  an accelerator, where the program's calls back to back take clearly longer than one takes
+  to return, they wait on the device, and a call's time among them is the device's (the
+  difference can miss most of it there). JAX's dispatch of the buffers,
+  host work, is that program's call to its return, or the launch where that returns sooner
+  (on a TPU, an empty program giving back hundreds of buffers took longer to return than
+  the step's own);
 - from those two, the share of each step's wall time that is host work at the step's
   `num_steps` (host and device taking turns, as on a CPU, or on an accelerator whose queue
   runs dry), and the smallest `num_steps` at which that share falls under 5%, with the memory
@@ -63,10 +68,11 @@ class Profile:
     calls: int  # calls measured
     autoflat_s: float  # autoflat's own host time per call, before and after the launch
     launch_s: float  # the launch: the compiled program's dispatch, to its return
-    dispatch_s: float  # JAX's dispatch of the call's buffers (a program computing nothing),
-    # to the return of the call
+    dispatch_s: float  # JAX's dispatch of the call's buffers: a program computing nothing on
+    # them, to the return of its call (or the launch, where that returns sooner)
     roundtrip_s: float  # that program launched and its outputs awaited
     device_s: float  # one step: the program alone, its outputs awaited, less the round trip
+    # (on an accelerator, its calls back to back where they wait on the device)
     loop_s: float  # one call in a loop of calls back to back, awaited at its end
     step_input_bytes: int  # one step's per-step inputs
     flattens_per_call: float  # in the measured loop, which feeds the returned state back
@@ -213,9 +219,9 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         calls=calls,
         autoflat_s=medians["autoflat"],
         launch_s=medians["launch"],
-        dispatch_s=medians["dispatch"],
+        dispatch_s=min(medians["dispatch"], medians["launch"]),
         roundtrip_s=medians["roundtrip"],
-        device_s=max(medians["program"] - medians["roundtrip"], 0.0) / step.num_steps,
+        device_s=_device_per_call(medians, jax.default_backend() != "cpu") / step.num_steps,
         loop_s=medians["loop"],
         step_input_bytes=step_bytes,
         flattens_per_call=counts["flattens"] / calls,
@@ -225,6 +231,25 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         rebuilt_at=tuple(step._origin.rebuilt_at.most_common(3)),
         recompiles=tuple(changes),
     )
+
+
+DEVICE_BOUND_LOOP = 1.25  # program calls back to back this much longer than one takes to
+# return wait on the device
+
+
+def _device_per_call(medians: dict[str, float], accelerator: bool) -> float:
+    """The device time of a call: the program alone, its outputs awaited, less the empty
+    program's round trip; on an accelerator, where the program's calls back to back take
+    clearly longer than one takes to return, they wait on the device, and a call's time
+    among them is the device's. (The difference can miss most of the device time there: on
+    a TPU, awaiting the 484 buffers an empty program gave back took 1.2 ms, and a step whose
+    program took 2.9 ms a call back to back came out as 0.13 ms. On a CPU the program runs
+    on the host's own cores, whose calls back to back take longer than one takes to return
+    even where the program computes next to nothing.)"""
+    loop = medians.get("program_loop", 0.0)
+    if accelerator and loop >= DEVICE_BOUND_LOOP * medians["program_launch"]:
+        return loop
+    return max(medians["program"] - medians["roundtrip"], 0.0)
 
 
 _CACHES = ("_last", "_bcast_last", "_in_flight")
@@ -340,9 +365,10 @@ def _time(
     program alone with its outputs awaited; `dispatch`: a program that computes nothing on
     the same buffers, to the return of its call; `roundtrip`: the same, its outputs awaited:
     on an accelerator, awaiting even an empty program takes a round trip to the device that
-    is neither host work nor the step's; `loop`: a call in a loop of calls back to back,
-    awaited at its end), the counters the calls moved before that loop, and one step's
-    per-step input bytes."""
+    is neither host work nor the step's; `program_launch`: the program's call to its return;
+    `loop`: a call in a loop of calls back to back, awaited at its end, over `LOOPS` loops;
+    `program_loop`: the same for the program alone), the counters the calls moved before
+    the loops, and one step's per-step input bytes."""
     before = step.stats.snapshot()
     prepared = prepare(step, bound.args, bound.kwargs)
     jit = runner(step, prepared.spec, prepared.inputs())
@@ -362,8 +388,11 @@ def _time(
         if state is None:
             state = _copied(source)
         t0 = time.perf_counter()
-        raw = jax.block_until_ready(jit(prepared.spec, state, xs, bcast))
+        raw = jit(prepared.spec, state, xs, bcast)
+        t1 = time.perf_counter()
+        raw = jax.block_until_ready(raw)
         times["program"].append(time.perf_counter() - t0)
+        times["program_launch"].append(t1 - t0)
         if donating:
             state = _next_state(raw, state)
         t0 = time.perf_counter()
@@ -376,17 +405,41 @@ def _time(
         f.name: getattr(step.stats, f.name) - getattr(before, f.name)
         for f in dataclasses.fields(before)
     }
-    t0 = time.perf_counter()
-    for _ in range(calls):  # as a training loop calls it: back to back
-        bound, ran = _call_and_chain(step, program, bound)
-    _block(ran)
-    times["loop"] = [(time.perf_counter() - t0) / calls]
+    times["loop"] = []
+    for _ in range(LOOPS):
+        t0 = time.perf_counter()
+        for _ in range(calls):  # as a training loop calls it: back to back
+            bound, ran = _call_and_chain(step, program, bound)
+        _block(ran)
+        times["loop"].append((time.perf_counter() - t0) / calls)
+    times["program_loop"] = []
+    if state is not None:  # (None: a donating program's outputs do not line up with its inputs)
+        for _ in range(LOOPS):
+            state, per_call = _program_loop(jit, prepared.spec, state, xs, bcast, calls)
+            times["program_loop"].append(per_call)
     xs_bytes = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree_util.tree_leaves(xs))
     step_bytes = xs_bytes // step.num_steps if step.num_steps > 1 else xs_bytes
-    return {k: statistics.median(v) for k, v in times.items()}, counts, step_bytes
+    return {k: statistics.median(v) for k, v in times.items() if v}, counts, step_bytes
 
 
-_TIMED = ("autoflat", "launch", "program", "dispatch", "roundtrip")  # what `_time` times
+def _program_loop(
+    jit: Any, spec: Any, state: tuple[list[Any], ...], xs: Any, bcast: Any, calls: int
+) -> tuple[tuple[list[Any], ...], float]:
+    """The compiled program alone, called back to back `calls` times (each call taking the
+    state buffers the last gave back, where they line up: `_next_state`, checked once) and
+    awaited at the end. Returns the last state and the time per call."""
+    t0 = time.perf_counter()
+    raw = jit(spec, state, xs, bcast)
+    chained = _next_state(raw, state) is not None
+    for _ in range(calls - 1):
+        raw = jit(spec, tuple(raw[0]) if chained else state, xs, bcast)
+    jax.block_until_ready(raw)
+    per_call = (time.perf_counter() - t0) / calls
+    return (tuple(list(p) for p in raw[0]) if chained else state), per_call
+
+
+_TIMED = ("autoflat", "launch", "program", "program_launch", "dispatch", "roundtrip")
+LOOPS = 3  # loops of calls back to back, each as many as the calls timed one by one
 
 
 def _noop(state: Any, xs: Any, bcast: Any) -> Any:
