@@ -11,11 +11,12 @@ afterwards) and measures, on this machine:
   alone, its outputs awaited, less the same for a program computing nothing on the same
   buffers (on an accelerator, awaiting any program takes a round trip to the device); on
   an accelerator, where the program's calls back to back take clearly longer than one takes
-  to return, they wait on the device, and a call's time among them is the device's (the
-  difference can miss most of it there). JAX's dispatch of the buffers,
-  host work, is that program's call to its return, or the launch where that returns sooner
-  (on a TPU, an empty program giving back hundreds of buffers took longer to return than
-  the step's own);
+  to launch, they wait on the device, and a call's time among them is the device's; where
+  they take about as long, the device's time hides behind the host's, and the most it can
+  be is reported beside it. JAX's dispatch of the buffers, host
+  work, is that program's call to its return, or the launch where that returns sooner (on
+  a TPU, an empty program giving back hundreds of buffers took longer to return than the
+  step's own);
 - from those two, the share of each step's wall time that is host work at the step's
   `num_steps` (host and device taking turns, as on a CPU, or on an accelerator whose queue
   runs dry), and the smallest `num_steps` at which that share falls under 5%, with the memory
@@ -54,6 +55,8 @@ from .launch import launch, runner
 
 HOST_SHARE_TARGET = 0.05
 MAX_SUGGESTED = 1000  # past this, "more steps a call than that": per-step inputs grow with k
+DEVICE_BOUND = 1.2  # calls back to back this much slower than one call's launch: device-bound
+HIDDEN = 1.25  # a most this much above the device time is reported beside it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,8 @@ class Profile:
     roundtrip_s: float  # that program launched and its outputs awaited
     device_s: float  # one step: the program alone, its outputs awaited, less the round trip
     # (on an accelerator, its calls back to back where they wait on the device)
+    device_max_s: float  # the most it can be: more than `device_s` where, on an accelerator,
+    # the device's time hides behind the host's (calls back to back as long as a launch)
     loop_s: float  # one call in a loop of calls back to back, awaited at its end
     step_input_bytes: int  # one step's per-step inputs
     flattens_per_call: float  # in the measured loop, which feeds the returned state back
@@ -146,7 +151,12 @@ def report(p: Profile) -> str:
         f"  host per call   {_t(p.host_s)}  (autoflat {_t(p.autoflat_s).strip()}, JAX's "
         f"dispatch of the buffers {_t(p.dispatch_s).strip()}; launch returns after "
         f"{_t(p.launch_s).strip()})",
-        f"  device per step {_t(p.device_s)}",
+        f"  device per step {_t(p.device_s)}"
+        + (
+            f"  (up to {_t(p.device_max_s).strip()}: the program's calls back to back take "
+            "about as long as its launch, which hides the device's time)"
+        )
+        * (p.device_max_s > HIDDEN * p.device_s),
         f"  host share      {p.host_share:.0%} of each step's time: {verdict}",
     ]
     k = p.suggested_num_steps
@@ -212,6 +222,7 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
             bound, ran = _call_and_chain(step, program, bound)
         _block(ran)
         medians, counts, step_bytes = _time(step, program, bound, calls)
+    device, device_max = _device_per_call(medians, jax.default_backend() != "cpu")
     return Profile(
         step=step.__qualname__,
         where=step._analysis.where,
@@ -221,7 +232,8 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         launch_s=medians["launch"],
         dispatch_s=min(medians["dispatch"], medians["launch"]),
         roundtrip_s=medians["roundtrip"],
-        device_s=_device_per_call(medians, jax.default_backend() != "cpu") / step.num_steps,
+        device_s=device / step.num_steps,
+        device_max_s=device_max / step.num_steps,
         loop_s=medians["loop"],
         step_input_bytes=step_bytes,
         flattens_per_call=counts["flattens"] / calls,
@@ -233,23 +245,25 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
     )
 
 
-DEVICE_BOUND_LOOP = 1.25  # program calls back to back this much longer than one takes to
-# return wait on the device
+def _device_per_call(medians: dict[str, float], accelerator: bool) -> tuple[float, float]:
+    """The device time of a call, and the most it can be: the program alone, its outputs
+    awaited, less the empty program's round trip; on an accelerator, where the program's
+    calls back to back take clearly longer than one takes to launch (`DEVICE_BOUND`), they
+    wait on the device, and a call's time among them is the device's.
 
-
-def _device_per_call(medians: dict[str, float], accelerator: bool) -> float:
-    """The device time of a call: the program alone, its outputs awaited, less the empty
-    program's round trip; on an accelerator, where the program's calls back to back take
-    clearly longer than one takes to return, they wait on the device, and a call's time
-    among them is the device's. (The difference can miss most of the device time there: on
-    a TPU, awaiting the 484 buffers an empty program gave back took 1.2 ms, and a step whose
-    program took 2.9 ms a call back to back came out as 0.13 ms. On a CPU the program runs
-    on the host's own cores, whose calls back to back take longer than one takes to return
-    even where the program computes next to nothing.)"""
+    On an accelerator the difference can miss most of the device time: on a TPU, awaiting
+    the 484 buffers an empty program gave back took 1.2 ms, and a step whose program took
+    2.4 ms a call back to back came out as 0.01 ms. Where calls back to back take about as
+    long as one takes to launch, the device's time is hidden behind the host's: it is at
+    most a call's time among them, which the second figure gives. On a CPU the program runs
+    on the host's own cores, and the difference stays."""
+    found = max(medians["program"] - medians["roundtrip"], 0.0)
     loop = medians.get("program_loop", 0.0)
-    if accelerator and loop >= DEVICE_BOUND_LOOP * medians["program_launch"]:
-        return loop
-    return max(medians["program"] - medians["roundtrip"], 0.0)
+    if not accelerator or loop <= found:
+        return found, found
+    if loop >= DEVICE_BOUND * medians["program_launch"]:
+        return loop, loop
+    return found, loop
 
 
 _CACHES = ("_last", "_bcast_last", "_in_flight")
@@ -365,10 +379,10 @@ def _time(
     program alone with its outputs awaited; `dispatch`: a program that computes nothing on
     the same buffers, to the return of its call; `roundtrip`: the same, its outputs awaited:
     on an accelerator, awaiting even an empty program takes a round trip to the device that
-    is neither host work nor the step's; `program_launch`: the program's call to its return;
-    `loop`: a call in a loop of calls back to back, awaited at its end, over `LOOPS` loops;
-    `program_loop`: the same for the program alone), the counters the calls moved before
-    the loops, and one step's per-step input bytes."""
+    is neither host work nor the step's; `loop`: a call in a loop of calls back to back,
+    awaited at its end, over `LOOPS` loops; `program_launch`: the program's call to its
+    return; `program_loop`: as `loop`, for the program alone), the counters the calls moved
+    before the loops, and one step's per-step input bytes."""
     before = step.stats.snapshot()
     prepared = prepare(step, bound.args, bound.kwargs)
     jit = runner(step, prepared.spec, prepared.inputs())
