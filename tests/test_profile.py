@@ -95,7 +95,7 @@ def test_a_large_matmul_step_is_device_bound():
 def test_the_device_time_of_a_loop_that_waits_on_the_device(monkeypatch):
     """On a TPU, awaiting the 484 buffers an empty program gave back took most of what the
     step's program took to await, so their difference made a device-bound step of 2.4 ms a
-    call about 0.01 ms, and host-bound. Simulated here: the backend made to say "tpu", and
+    call about 0.13 ms, and host-bound. Simulated here: the backend made to say "tpu", and
     the empty program doing the step's work. The program's calls back to back, which wait
     on the device, still tell the device time."""
     from autoflat._runtime import profile as profile_module
@@ -122,7 +122,8 @@ def test_the_device_time_of_a_loop_that_waits_on_the_device(monkeypatch):
 
 
 # Medians measured on a TPU v5e (microseconds a call: the program's launch, its calls back to
-# back, its awaited time less the empty program's; benchmarks/results/tpu/profile.txt): the
+# back (a loop of 20's time over its calls), its awaited time less the empty program's;
+# benchmarks/results/tpu/profile.txt): the
 # narrow ResNet50 with Adam at one step a call (3 buffers) and ten (484 buffers; the "hidden"
 # run's launch is the step's own), and a step of 1,000 buffers that changes one (host-bound);
 # then that step on a 2-core CPU.
