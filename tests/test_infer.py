@@ -3521,43 +3521,6 @@ def test_statistics_of_num_steps_features_under_their_new_name_are_asked_about()
     tree_allclose(autoflat.unwrap(got), state, rtol=1e-6)
 
 
-def _returns_and_counts(w, ep_ret, ep_len, obs, reward, done):
-    """Episode returns and lengths of 4 environments, updated elementwise, written in the
-    return at their places: at num_steps=4 every array of them has a leading axis of 4."""
-    loss, g = jax.value_and_grad(lambda w: jnp.mean((obs @ w - reward) ** 2))(w)
-    return (
-        w - 0.1 * g,
-        jnp.where(done, 0.0, ep_ret + reward),
-        jnp.where(done, 0, ep_len + 1),
-        loss,
-    )
-
-
-@claim(
-    "docs/roles.md",
-    "or as an expression at its place (an episode return of 4 environments, `return w, jnp.where(done, 0.0, ep_ret + reward), loss`)",
-)
-def test_episode_returns_of_num_steps_environments_at_their_places_are_asked_about():
-    """Sliced per step, each step would add its reward to one environment's return of the
-    last chunk (silently before); declared, equal to a loop of `jax.jit`."""
-    w0, r0, n0 = jnp.full((3,), 0.1), jnp.zeros(K), jnp.zeros(K, jnp.int32)
-    obs = _batches(2 * K, (K, 3), seed=7)
-    rewards = jax.random.uniform(jax.random.key(3), (2 * K, K))
-    done = jnp.arange(2 * K * K).reshape(2 * K, K) % 3 == 0
-    with pytest.raises(autoflat.ShapeError, match='state="ep_ret"'):
-        autoflat.step(_returns_and_counts, num_steps=K)(w0, r0, n0, obs[:K], rewards[:K], done[:K])
-    ref = jax.jit(_returns_and_counts)
-    want = (w0, r0, n0)
-    for i in range(2 * K):
-        want = ref(*want, obs[i], rewards[i], done[i])[:3]
-    step = autoflat.step(_returns_and_counts, num_steps=K, state=("ep_ret", "ep_len"))
-    got = (w0, r0, n0)
-    for start in range(0, 2 * K, K):
-        s = slice(start, start + K)
-        got = step(*got, obs[s], rewards[s], done[s])[:3]
-    tree_allclose(autoflat.unwrap(got), want, rtol=1e-6)
-
-
 def _env_step(es, a):  # (a linear environment: the next state from the action)
     nes = 0.95 * es + 0.1 * jnp.array([[0.9, 0.1, 0.0], [0.0, 0.9, 0.1]])[a]
     return nes, nes * 2.0, -jnp.sum(es**2)

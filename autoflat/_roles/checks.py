@@ -265,9 +265,8 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     """An argument taken per-step by its leading axis (rule 10) that one step gives back
     with its whole structure and shapes (`_partly_whole`) at an open return position that
     looks like a carry's new value (`_carried_there`: a contraction taking its own value,
-    `h @ wh`, as a recurrent cell computes its new state, a name sharing a word with it, or
-    an expression at its own place), an expression or a container written in the return as
-    much as a name: refused
+    `h @ wh`, as a recurrent cell computes its new state, or a name sharing a word with
+    it), an expression or a container written in the return as much as a name: refused
     where carried whole it is given back so too (`hazards.check_whole_per_step`). A per-step
     schedule, label or shift broadcast against a batch of num_steps (`beta * per_example`,
     `x + shift`) gives back that shape too, only elementwise: a per-step output, as the
@@ -291,13 +290,8 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     if not any(shaped.values()):
         return
     flows = run.flow_of(first)()
-    carried = run.carried()
-    places = {
-        p: _matching.places([q for q in run.params if q in carried or q == p], first).get(p)
-        for p in shaped
-    }
     hits = {
-        p: [pos for pos in at if _carried_there(p, pos, flows[pos], first, places[p])]
+        p: [pos for pos in at if _carried_there(p, pos, flows[pos], first)]
         for p, at in shaped.items()
     }
     check_whole_per_step(
@@ -306,21 +300,12 @@ def _check_whole_per_step(run: Run, first: Return, taken: set[int]) -> None:
     )  # fmt: skip
 
 
-def _carried_there(p: str, pos: int, here: Flow, first: Return, place: int | None) -> bool:
+def _carried_there(p: str, pos: int, here: Flow, first: Return) -> bool:
     """Whether return position `pos` looks like the new value of a carry `p`: computed from a
     contraction taking its own value (`Flow.mixed`: `h @ wh`), or from it under a name
     sharing a word with it (`names.named_after`: `new_state` for `state`, BatchNorm
-    statistics updated elementwise; not `upd` for a per-step `lr`, `upd = lr * g`), or from
-    it as an expression written at its own place among the parameters that could be state
-    (`place`: an episode return of 4 environments, `jnp.where(done, 0.0, ep_ret + reward)`,
-    returned where `ep_ret` would come back)."""
-    if p in here.mixed:
-        return True
-    if p not in here.sources:
-        return False
-    if _names.named_after(p, pos, first.names):
-        return True
-    return pos == place and pos < len(first.names) and first.names[pos] is None
+    statistics updated elementwise; not `upd` for a per-step `lr`, `upd = lr * g`)."""
+    return p in here.mixed or (p in here.sources and _names.named_after(p, pos, first.names))
 
 
 def _partly_whole(value: Any, out: Any) -> bool:

@@ -217,8 +217,7 @@ def check_whole_per_step(
 _SLICE = "a value with the structure, shapes and dtypes of one step's slice of it"
 _WHOLE = (
     "a value with its whole shape computed from one step's slice of it (broadcast against "
-    "another per-step input, as a hidden state of a batch of num_steps examples or an episode "
-    "return of num_steps environments would be)"
+    "another per-step input: a hidden state of a batch of num_steps examples)"
 )
 
 

@@ -3280,62 +3280,27 @@ def _episode_returns(w, ep_ret, obs, reward, done):  # (4 environments at num_st
     return w - 0.1 * g, jnp.where(done, 0.0, ep_ret + reward), loss
 
 
-def _episode_returns_last(w, ep_ret, obs, reward, done):  # (the new returns after the loss)
-    loss, g = jax.value_and_grad(lambda w: jnp.mean((obs @ w - reward) ** 2))(w)
-    return w - 0.1 * g, loss, jnp.where(done, 0.0, ep_ret + reward)
-
-
-def _episodes(k, envs):
+@claim(
+    FAQ,
+    'but a carry updated elementwise and returned as an expression, `jnp.where(done, 0.0, ep_ret + reward)`, reads like a per-step schedule broadcast against 4 environments: it is sliced per step, as the header\'s `[rule: leading-axis]` says. Declare it, `state="ep_ret"`, or pick another `num_steps`.',
+)
+def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring():
+    k, envs = 4, 4
     w0, r0 = jnp.full((3,), 0.1), jnp.zeros(envs)
     obs = jax.random.normal(jax.random.key(0), (2 * k, envs, 3))
     rewards = jax.random.uniform(jax.random.key(1), (2 * k, envs))
     done = jnp.arange(2 * k * envs).reshape(2 * k, envs) % 3 == 0
-    return w0, r0, obs, rewards, done
-
-
-@claim(
-    FAQ,
-    "or as an expression at its own place among the returned values (`return w, jnp.where(done, 0.0, ep_ret + reward), loss` from `update(w, ep_ret, obs, reward, done)`)",
-)
-def test_a_carry_of_num_steps_environments_returned_at_its_place_is_asked():
-    """The episode return of 4 environments at num_steps=4, as an expression at its place:
-    sliced per step before, silently (the last chunk's row broadcast for each step)."""
-    k = 4
-    w0, r0, obs, rewards, done = _episodes(k, 4)
-    with pytest.raises(autoflat.ShapeError) as info:
-        autoflat.step(_episode_returns, num_steps=k)(w0, r0, obs[:k], rewards[:k], done[:k])
-    assert 'state="ep_ret"' in str(info.value) and 'per_step="ep_ret"' in str(info.value)
-    assert "return position 1 gives back a value with its whole shape" in str(info.value)
     ref = jax.jit(_episode_returns)
     w, r = w0, r0
     for t in range(2 * k):
         w, r, _ = ref(w, r, obs[t], rewards[t], done[t])
+    step = autoflat.step(_episode_returns, num_steps=k)
+    step(w0, r0, obs[:k], rewards[:k], done[:k])
+    assert "# ep_ret: scanned" in autoflat.show(step)
+    assert "[rule: leading-axis]" in autoflat.show(step).split("# ep_ret:")[1].splitlines()[0]
     step = autoflat.step(_episode_returns, num_steps=k, state="ep_ret")
     gw, gr = w0, r0
     for start in (0, k):
         s = slice(start, start + k)
         gw, gr, _ = step(gw, gr, obs[s], rewards[s], done[s])
-    tree_allclose((autoflat.unwrap(gw), autoflat.unwrap(gr)), (w, r), rtol=1e-6)
-
-
-@claim(
-    FAQ,
-    'Returned away from its place as an expression (`return w, loss, jnp.where(...)`), the same update reads like a per-step schedule broadcast against 4 environments: it is sliced per step, as the header\'s `[rule: leading-axis]` says. Declare it, `state="ep_ret"`, or pick another `num_steps`.',
-)
-def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring():
-    k = 4
-    w0, r0, obs, rewards, done = _episodes(k, 4)
-    ref = jax.jit(_episode_returns_last)
-    w, r = w0, r0
-    for t in range(2 * k):
-        w, _, r = ref(w, r, obs[t], rewards[t], done[t])
-    step = autoflat.step(_episode_returns_last, num_steps=k)
-    step(w0, r0, obs[:k], rewards[:k], done[:k])
-    assert "# ep_ret: scanned" in autoflat.show(step)
-    assert "[rule: leading-axis]" in autoflat.show(step).split("# ep_ret:")[1].splitlines()[0]
-    step = autoflat.step(_episode_returns_last, num_steps=k, state="ep_ret")
-    gw, gr = w0, r0
-    for start in (0, k):
-        s = slice(start, start + k)
-        gw, _, gr = step(gw, gr, obs[s], rewards[s], done[s])
     tree_allclose((autoflat.unwrap(gw), autoflat.unwrap(gr)), (w, r), rtol=1e-6)
