@@ -3352,6 +3352,18 @@ def _annealed(w, beta, x, y):  # (a per-step KL weight times per-example losses,
     return w - 0.1 * g, loss, beta * per_example
 
 
+def _annealed_logged_at_its_place(w, beta, x, y):  # (as `_annealed`, the log before the loss)
+    per_example = (x @ w - y) ** 2
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(beta * (x @ w - y) ** 2))(w)
+    return w - 0.1 * g, beta * per_example, loss
+
+
+def _masked(w, valid, x, y):  # (a per-step flag masking the batch's losses, logged)
+    per_example = (x @ w - y) ** 2
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(valid * (x @ w - y) ** 2))(w)
+    return w - 0.1 * g, jnp.where(valid > 0, per_example, 0.0), loss
+
+
 def _shifted(w, shift, x, y):  # (a per-step feature shift, the augmented batch logged)
     x_aug = x + shift
     loss, g = jax.value_and_grad(lambda w: jnp.mean((x_aug @ w - y) ** 2))(w)
@@ -3383,6 +3395,8 @@ def _heads(wb, x, y):  # (four heads' per-example losses against the labels)
     ("update", "state", "per_step"),
     [
         (_annealed, jnp.zeros(3), (jnp.linspace(0.1, 1.0, K), (K, 3), (K,))),
+        (_annealed_logged_at_its_place, jnp.zeros(3), (jnp.linspace(0.1, 1, K), (K, 3), (K,))),
+        (_masked, jnp.zeros(3), (jnp.array([1.0, 1.0, 1.0, 0.0]), (K, 3), (K,))),
         (_shifted, jnp.zeros(3), (jnp.full((K, 3), 0.1), (K, 3), (K,))),
         (_heads, jnp.zeros((3, K)), ((8, 3), (8,))),
         (_conditioned, jnp.zeros(3), (jnp.full((K, 3), 0.1), (K, 3), (K,))),
@@ -3395,7 +3409,9 @@ def test_a_per_step_input_broadcast_against_a_batch_of_num_steps_is_per_step(
     """A schedule, a shift or labels whose slice, broadcast against a batch (or heads) of
     num_steps, gives back their whole shape, only elementwise: per-step outputs, as the
     leading axis says (a review found them asked about by a first version of the check of
-    carries of a batch of num_steps). Batches of shape (num_steps, batch, ...)."""
+    carries of a batch of num_steps, and the log of a KL weight or a mask written at its
+    own place by a rule asking about expressions there). Batches of shape (num_steps,
+    batch, ...)."""
     xs = [_batches(K, s, seed=i) if isinstance(s, tuple) else s for i, s in enumerate(per_step)]
     ref, routs = _reference(update, (state,), xs, K)
     got, gouts = _run(autoflat.step(update, num_steps=K), (state,), xs, K, K)
