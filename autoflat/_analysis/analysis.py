@@ -34,6 +34,7 @@ from .._errors import (
     error,
     where,
 )
+from .gradients import Gradients
 from .returns import Return as Return
 from .returns import flat_elements, nest_of
 from .source import matches_code, read_source, unwrap_function
@@ -145,14 +146,15 @@ def _describe_return(
     value = node.value
     if value is None or (isinstance(value, cst.Name) and value.value == "None"):
         return Return(line, "none", ())
-    gradients = visitor.gradients()
+    reading = Gradients(visitor.assignments, visitor.bindings, visitor.takes)
+    gradients = reading.of_names()
 
     def gradient_of(el: cst.BaseExpression) -> frozenset[str] | None:
         """The parameters `el` holds gradients at, if it holds gradients."""
         if isinstance(el, cst.Name):
             return gradients.get(el.value)
-        if isinstance(el, cst.Call) and visitor.derivative(el) == (False, False):
-            return visitor.differentiated(el)  # `jax.grad(f)(params, x)`
+        if isinstance(el, cst.Call) and reading.derivative(el) == (False, False):
+            return reading.differentiated(el)  # `jax.grad(f)(params, x)`
         return None
 
     if isinstance(value, cst.Tuple):

@@ -14,6 +14,8 @@ from collections.abc import Collection
 import libcst as cst
 import libcst.metadata as meta
 
+from .gradients import bound_names
+
 
 def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
     nodes = [*params.posonly_params, *params.params, *params.kwonly_params]
@@ -34,56 +36,6 @@ _IN_PLACE_METHODS = frozenset(
 )  # fmt: skip
 # Methods that only take entries out of a dict or a list (`batch.pop("labels")`).
 _REMOVING_METHODS = frozenset({"pop", "popitem", "clear", "remove", "__delitem__"})
-
-# Transformations whose function gives derivatives: `jax.grad(f)(params, x)` is not the new
-# value of `params`, however alike their abstract values. A bare name (`from jax import
-# grad`) counts only where it is called as a transformation, `grad(f)(...)`.
-_DERIVATIVES = frozenset({"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"})
-_DERIVATIVE_MODULES = frozenset({"jax", "eqx", "equinox", "nnx", "flax"})
-
-
-def _dotted(node: cst.BaseExpression) -> list[str]:
-    parts = []
-    while isinstance(node, cst.Attribute):
-        parts.append(node.attr.value)
-        node = node.value
-    if not isinstance(node, cst.Name):
-        return []
-    return [node.value, *reversed(parts)]
-
-
-def _transformation(node: cst.BaseExpression) -> tuple[bool, bool] | None:
-    """(gives the value too, has_aux) if `node` is `jax.grad(f, ...)` or one of its kin; None
-    also where `has_aux` cannot be read (`*args`, `**kwargs`)."""
-    if not isinstance(node, cst.Call):
-        return None
-    name = _dotted(node.func)
-    if not name or name[-1] not in _DERIVATIVES:
-        return None
-    if len(name) > 1 and name[0] not in _DERIVATIVE_MODULES:
-        return None
-    if any(a.star for a in node.args):
-        return None
-    positional = [a for a in node.args if a.keyword is None]
-    aux_args = [a for a in node.args if a.keyword is not None and a.keyword.value == "has_aux"]
-    if len(positional) >= 3 and not name[-1].startswith("filter_"):
-        aux_args.append(positional[2])  # jax.grad(fun, argnums, has_aux)
-    aux = any(not (isinstance(a.value, cst.Name) and a.value.value == "False") for a in aux_args)
-    return "value" in name[-1], aux
-
-
-def _gradient_targets(
-    target: cst.BaseExpression, value: bool, aux: bool
-) -> cst.BaseExpression | None:
-    """The part of an assignment's target that receives the gradients of a call of a
-    transformation (`value`: it gives `(value, grads)`; `aux`: `grads` is `(grads, aux)`, or
-    for `value_and_grad` the value is `(value, aux)`), or None."""
-    if value or aux:
-        if not isinstance(target, (cst.Tuple, cst.List)) or len(target.elements) != 2:
-            return None
-        return target.elements[1 if value else 0].value
-    return target
-
 
 # Calls that give back a part of their first argument, or of the object they are called on:
 # `getattr(m, "inner").n = ...` and `d.get("inner")["k"] = ...` write into `m` and `d`.
@@ -154,39 +106,6 @@ def _items(
     return [(target, iterable)]
 
 
-def _mapped_over_itself(
-    assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]],
-    names: Collection[str],
-) -> list[str]:
-    """Per assignment `n = jax.tree.map(f, n)` rebinding one of `names` from its own tree
-    alone (gradients clipped or scaled leaf by leaf), that name. Mapped with other trees
-    (`jax.tree.map(lambda g, m: beta * m + g, grads, momentum)`) it is a new value of those."""
-    found = []
-    for targets, value in assignments:
-        if not (isinstance(value, cst.Call) and _dotted(value.func)[-2:] in _TREE_MAPS):
-            continue
-        args = [a for a in value.args if a.keyword is None and not a.star]
-        tree = args[1].value if len(args) == 2 else None
-        if not isinstance(tree, cst.Name) or tree.value not in names:
-            continue
-        found += [tree.value for t in targets if isinstance(t, cst.Name) and t.value == tree.value]
-    return found
-
-
-_TREE_MAPS = (["tree", "map"], ["tree_util", "tree_map"], ["jax", "tree_map"], ["tree_map"])
-
-
-def _names(target: cst.BaseExpression | None) -> list[str]:
-    """The names a target binds (`a`, `(a, (b, *c))`)."""
-    if isinstance(target, cst.Name):
-        return [target.value]
-    if isinstance(target, (cst.Tuple, cst.List)):
-        return [n for el in target.elements for n in _names(el.value)]
-    if isinstance(target, cst.StarredElement):
-        return _names(target.value)
-    return []
-
-
 class Visitor(cst.CSTVisitor):
     """Collects what the function's own scope does, and the writes and method calls on its
     parameters anywhere in it (nested functions included).
@@ -225,10 +144,11 @@ class Visitor(cst.CSTVisitor):
         self.unsupported: list[tuple[str, int]] = []
         self.names: set[str] = set()
         # The own scope's assignments (targets, value) in order, and how many times each name
-        # is bound there: `gradients()` reads them once the whole body is seen.
+        # is bound there: `gradients.Gradients` reads them once the whole body is seen.
         self.assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]] = []
         self.bindings: dict[str, int] = {}
-        # Per call of the own scope, the parameters among its arguments (`differentiated`).
+        # Per call of the own scope, the parameters among its arguments
+        # (`Gradients.differentiated`).
         self.takes: dict[cst.Call, frozenset[str]] = {}
         for p in self.params:
             self._count(p.name)
@@ -243,53 +163,8 @@ class Visitor(cst.CSTVisitor):
             scope = scope.parent
         return scope is not None and scope is self.scope
 
-    def transformations(self) -> dict[str, tuple[bool, bool]]:
-        """Names bound once, to a transformation (`grad_fn = jax.value_and_grad(f)`)."""
-        found = {}
-        for targets, value in self.assignments:
-            made = _transformation(value)
-            for t in targets:
-                if made is not None and isinstance(t, cst.Name):
-                    if self.bindings.get(t.value) == 1:
-                        found[t.value] = made
-        return found
-
-    def derivative(self, node: cst.BaseExpression) -> tuple[bool, bool] | None:
-        """(gives the value too, has_aux) if `node` calls a transformation's function:
-        `jax.grad(f)(p, x)`, or `grad_fn(p, x)` after `grad_fn = jax.value_and_grad(f)`."""
-        if not isinstance(node, cst.Call):
-            return None
-        if isinstance(node.func, cst.Name):
-            made = self.transformations().get(node.func.value)
-            if made is not None:
-                return made
-        return _transformation(node.func)
-
-    def differentiated(self, node: cst.Call) -> frozenset[str]:
-        """The parameters a call of a transformation's function takes (`grad_fn(params, x)`,
-        `jax.grad(f)(state.params)`): its gradients are the new value of none of them."""
-        return self.takes.get(node, frozenset())
-
-    def gradients(self) -> dict[str, frozenset[str]]:
-        """The names of the own scope that every binding binds to gradients, each with the
-        parameters they are gradients at."""
-        counts: dict[str, int] = {}
-        of: dict[str, frozenset[str]] = {}
-        for targets, value in self.assignments:
-            derivative = self.derivative(value)
-            if derivative is None or not isinstance(value, cst.Call):
-                continue
-            taken = self.differentiated(value)
-            for t in targets:
-                for n in _names(_gradient_targets(t, *derivative)):
-                    counts[n] = counts.get(n, 0) + 1
-                    of[n] = of.get(n, frozenset()) | taken
-        for n in _mapped_over_itself(self.assignments, counts):  # `grads = tree.map(f, grads)`
-            counts[n] += 1
-        return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}
-
     def _count(self, target: cst.BaseExpression | None) -> None:
-        for n in _names(target):
+        for n in bound_names(target):
             self.bindings[n] = self.bindings.get(n, 0) + 1
 
     def _bound(self, node: cst.CSTNode, target: cst.BaseExpression) -> None:

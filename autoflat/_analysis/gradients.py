@@ -1,0 +1,155 @@
+"""Which names of a step's own scope hold only gradients, for `_analysis`.
+
+`loss, grads = jax.value_and_grad(f)(params, x)` binds `grads` to gradients at `params`: not
+the new value of `params`, however alike their abstract values. `Gradients` reads that off
+the assignments the visitor (`visitor.Visitor`) collected from the own scope: calls of a
+transformation (`jax.grad`, `jax.value_and_grad`, Equinox's and Flax NNX's kin), directly or
+through a name bound to one once (`grad_fn = jax.value_and_grad(f)`), with `has_aux` read
+where it is written, and names rebound from their own tree alone (`grads =
+jax.tree.map(clip, grads)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection
+
+import libcst as cst
+
+# Transformations whose function gives derivatives: `jax.grad(f)(params, x)` is not the new
+# value of `params`, however alike their abstract values. A bare name (`from jax import
+# grad`) counts only where it is called as a transformation, `grad(f)(...)`.
+_DERIVATIVES = frozenset({"grad", "value_and_grad", "filter_grad", "filter_value_and_grad"})
+_DERIVATIVE_MODULES = frozenset({"jax", "eqx", "equinox", "nnx", "flax"})
+
+
+def _dotted(node: cst.BaseExpression) -> list[str]:
+    parts = []
+    while isinstance(node, cst.Attribute):
+        parts.append(node.attr.value)
+        node = node.value
+    if not isinstance(node, cst.Name):
+        return []
+    return [node.value, *reversed(parts)]
+
+
+def _transformation(node: cst.BaseExpression) -> tuple[bool, bool] | None:
+    """(gives the value too, has_aux) if `node` is `jax.grad(f, ...)` or one of its kin; None
+    also where `has_aux` cannot be read (`*args`, `**kwargs`)."""
+    if not isinstance(node, cst.Call):
+        return None
+    name = _dotted(node.func)
+    if not name or name[-1] not in _DERIVATIVES:
+        return None
+    if len(name) > 1 and name[0] not in _DERIVATIVE_MODULES:
+        return None
+    if any(a.star for a in node.args):
+        return None
+    positional = [a for a in node.args if a.keyword is None]
+    aux_args = [a for a in node.args if a.keyword is not None and a.keyword.value == "has_aux"]
+    if len(positional) >= 3 and not name[-1].startswith("filter_"):
+        aux_args.append(positional[2])  # jax.grad(fun, argnums, has_aux)
+    aux = any(not (isinstance(a.value, cst.Name) and a.value.value == "False") for a in aux_args)
+    return "value" in name[-1], aux
+
+
+def _gradient_targets(
+    target: cst.BaseExpression, value: bool, aux: bool
+) -> cst.BaseExpression | None:
+    """The part of an assignment's target that receives the gradients of a call of a
+    transformation (`value`: it gives `(value, grads)`; `aux`: `grads` is `(grads, aux)`, or
+    for `value_and_grad` the value is `(value, aux)`), or None."""
+    if value or aux:
+        if not isinstance(target, (cst.Tuple, cst.List)) or len(target.elements) != 2:
+            return None
+        return target.elements[1 if value else 0].value
+    return target
+
+
+def _mapped_over_itself(
+    assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]],
+    names: Collection[str],
+) -> list[str]:
+    """Per assignment `n = jax.tree.map(f, n)` rebinding one of `names` from its own tree
+    alone (gradients clipped or scaled leaf by leaf), that name. Mapped with other trees
+    (`jax.tree.map(lambda g, m: beta * m + g, grads, momentum)`) it is a new value of those."""
+    found = []
+    for targets, value in assignments:
+        if not (isinstance(value, cst.Call) and _dotted(value.func)[-2:] in _TREE_MAPS):
+            continue
+        args = [a for a in value.args if a.keyword is None and not a.star]
+        tree = args[1].value if len(args) == 2 else None
+        if not isinstance(tree, cst.Name) or tree.value not in names:
+            continue
+        found += [tree.value for t in targets if isinstance(t, cst.Name) and t.value == tree.value]
+    return found
+
+
+_TREE_MAPS = (["tree", "map"], ["tree_util", "tree_map"], ["jax", "tree_map"], ["tree_map"])
+
+
+def bound_names(target: cst.BaseExpression | None) -> list[str]:
+    """The names a target binds (`a`, `(a, (b, *c))`)."""
+    if isinstance(target, cst.Name):
+        return [target.value]
+    if isinstance(target, (cst.Tuple, cst.List)):
+        return [n for el in target.elements for n in bound_names(el.value)]
+    if isinstance(target, cst.StarredElement):
+        return bound_names(target.value)
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class Gradients:
+    """The own scope's assignments (targets, value) in order, how many times each name is
+    bound there, and per call the parameters among its arguments: what the visitor
+    collected, read once the whole body is seen."""
+
+    assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]]
+    bindings: dict[str, int]
+    takes: dict[cst.Call, frozenset[str]]
+
+    def transformations(self) -> dict[str, tuple[bool, bool]]:
+        """Names bound once, to a transformation (`grad_fn = jax.value_and_grad(f)`)."""
+        found = {}
+        for targets, value in self.assignments:
+            made = _transformation(value)
+            for t in targets:
+                if made is not None and isinstance(t, cst.Name):
+                    if self.bindings.get(t.value) == 1:
+                        found[t.value] = made
+        return found
+
+    def derivative(self, node: cst.BaseExpression) -> tuple[bool, bool] | None:
+        """(gives the value too, has_aux) if `node` calls a transformation's function:
+        `jax.grad(f)(p, x)`, or `grad_fn(p, x)` after `grad_fn = jax.value_and_grad(f)`."""
+        if not isinstance(node, cst.Call):
+            return None
+        if isinstance(node.func, cst.Name):
+            made = self.transformations().get(node.func.value)
+            if made is not None:
+                return made
+        return _transformation(node.func)
+
+    def differentiated(self, node: cst.Call) -> frozenset[str]:
+        """The parameters a call of a transformation's function takes (`grad_fn(params, x)`,
+        `jax.grad(f)(state.params)`): its gradients are the new value of none of them."""
+        return self.takes.get(node, frozenset())
+
+    def of_names(self) -> dict[str, frozenset[str]]:
+        """The names of the own scope that every binding binds to gradients, each with the
+        parameters they are gradients at."""
+        counts: dict[str, int] = {}
+        of: dict[str, frozenset[str]] = {}
+        for targets, value in self.assignments:
+            derivative = self.derivative(value)
+            if derivative is None or not isinstance(value, cst.Call):
+                continue
+            taken = self.differentiated(value)
+            for t in targets:
+                for n in bound_names(_gradient_targets(t, *derivative)):
+                    counts[n] = counts.get(n, 0) + 1
+                    of[n] = of.get(n, frozenset()) | taken
+        for n in _mapped_over_itself(self.assignments, counts):  # `grads = tree.map(f, grads)`
+            counts[n] += 1
+        return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}
