@@ -13,10 +13,9 @@ afterwards) and measures, on this machine:
   an accelerator, where the program's calls back to back take clearly longer than one takes
   to launch, they wait on the device, and a call's time among them is the device's; where
   they take about as long, the device's time hides behind the host's, and the most it can
-  be is reported beside it. JAX's dispatch of the buffers, host
-  work, is that program's call to its return, or the launch where that returns sooner (on
-  a TPU, an empty program giving back hundreds of buffers took longer to return than the
-  step's own);
+  be is reported beside it. JAX's dispatch of the buffers, host work, is that program's
+  call to its return, or the launch where that returns sooner (on a TPU, an empty program
+  giving back hundreds of buffers took longer to return than the step's own);
 - from those two, the share of each step's wall time that is host work at the step's
   `num_steps` (host and device taking turns, as on a CPU, or on an accelerator whose queue
   runs dry), and the smallest `num_steps` at which that share falls under 5%, with the memory
