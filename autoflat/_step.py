@@ -42,6 +42,7 @@ from ._roles.options import check_bound_variadic
 from ._roles.roles import Options
 from ._runtime.call import prepare
 from ._runtime.diagnostics import Diagnostics, Stats
+from ._runtime.fed_back import FedBack
 from ._runtime.entry import entry, jitted, landed, relinked
 from ._runtime.finish import finish, hand_over
 from ._runtime.launch import check_pending, launch, note_recoverable, runner
@@ -136,6 +137,8 @@ class Step:
         self._bcast_last: dict[int, tuple[Any, Structure, list[Any]]] = {}
         # Flax NNX objects passed again and again (mutation style).
         self._nnx = NnxState()
+        # The last call's per-step outputs, refused where passed back as a per-step input.
+        self._fed_back = FedBack()
         # The last call in progress (its program's results land in it), kept until it
         # finishes (`recover`).
         self._in_flight: Any = None
@@ -261,6 +264,7 @@ class Step:
         self._bcast_last.clear()
         self._nnx.cache = None
         self._last.clear()
+        self._fed_back = FedBack()
         self._diag.forget_traces()
         self._renew_jits()
 

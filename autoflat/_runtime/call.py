@@ -130,6 +130,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
     if kwargs or len(args) != step._n_params:
         args = bind(step, args, kwargs)
     program, to_array, firsts = step._programs.for_args(args, step._may_mutate, step._trial)
+    step._fed_back.refuse(step, program, args)
     call = Call()
     call.args = args
     call.program = program

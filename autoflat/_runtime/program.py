@@ -41,6 +41,8 @@ class Program:
         "instance_pos",
         "static_names",
         "by_shape_bcast",
+        "by_shape_scanned",
+        "out_positions",
         "__weakref__",
     )
 
@@ -67,6 +69,15 @@ class Program:
         rules = dict(zip(roles.params, roles.rules, strict=True))
         self.by_shape_bcast = tuple(
             k for k, p in enumerate(roles.of("broadcast")) if rules[p] == "no-leading-axis"
+        )
+        # Per-step arguments read so by their shapes (rule `leading-axis`): positions among
+        # `scanned_idx`, checked on every call against the last call's per-step outputs
+        # (`fed_back`); and the return position of each per-step output.
+        self.by_shape_scanned = tuple(
+            k for k, p in enumerate(roles.of("scanned")) if rules[p] == "leading-axis"
+        )
+        self.out_positions = tuple(
+            q for q, (kind, _) in enumerate(roles.layout.entries) if kind == "out"
         )
         # (state position, parameter index) of state written back into the caller's object.
         self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)

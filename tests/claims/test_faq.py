@@ -3282,7 +3282,7 @@ def _episode_returns(w, ep_ret, obs, reward, done):  # (4 environments at num_st
 
 @claim(
     FAQ,
-    'but a carry updated elementwise and returned as an expression, `jnp.where(done, 0.0, ep_ret + reward)`, reads like a per-step schedule broadcast against 4 environments: it is sliced per step, as the header\'s `[rule: leading-axis]` says. Declare it, `state="ep_ret"`, or pick another `num_steps`.',
+    'but a carry updated elementwise and returned as an expression, `jnp.where(done, 0.0, ep_ret + reward)`, reads like a per-step schedule broadcast against 4 environments: the first call slices it per step, as the header\'s `[rule: leading-axis]` says. The next call, given back what that position returned, raises an `autoflat.ShapeError` naming `state={"ep_ret": 1}` before it takes anything, but the first call\'s results (the new `w` too) came from the sliced reading: declare it, `state="ep_ret"`, or pick another `num_steps`.',
 )
 def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring():
     k, envs = 4, 4
@@ -3295,9 +3295,14 @@ def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring()
     for t in range(2 * k):
         w, r, _ = ref(w, r, obs[t], rewards[t], done[t])
     step = autoflat.step(_episode_returns, num_steps=k)
-    step(w0, r0, obs[:k], rewards[:k], done[:k])
+    gw, gr, _ = step(w0, r0, obs[:k], rewards[:k], done[:k])
     assert "# ep_ret: scanned" in autoflat.show(step)
     assert "[rule: leading-axis]" in autoflat.show(step).split("# ep_ret:")[1].splitlines()[0]
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(gw, gr, obs[k:], rewards[k:], done[k:])
+    assert "`ep_ret` holds what return position 1 gave back last call" in str(info.value)
+    assert 'state={"ep_ret": 1})' in str(info.value)
+    assert not gw.is_deleted()  # nothing was taken: the state passed in is still usable
     step = autoflat.step(_episode_returns, num_steps=k, state="ep_ret")
     gw, gr = w0, r0
     for start in (0, k):

@@ -1199,6 +1199,62 @@ def test_rule_11_a_slice_given_back_under_another_name_is_asked_about():
     np.testing.assert_allclose(v, [0.0, 1.0, 2.0, 3.0])  # nothing consumed
 
 
+def _sliced_carries():
+    """Carries of K rows that the first call reads as per-step by their leading axis, each
+    returned as an expression at its own place (nothing in one call tells them from per-step
+    data): a per-example EMA of a batch of K, a linear recurrence's hidden state, a Haiku-style
+    `s` returned as `ns`, Kendall's per-task log variances."""
+
+    def ema(w, ema, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+        return w - 0.1 * g, 0.9 * ema + 0.1 * jnp.sum(x, axis=-1), loss
+
+    def recurrent(w, h, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(0.9 * h + x @ w) ** 2))(w)
+        return w - 0.1 * g, jnp.tanh(0.9 * h + x @ w), loss
+
+    def haiku(w, s, x):
+        ns = 0.5 * s + jnp.mean(x @ w, axis=-1)
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w - ns[:, None]) ** 2))(w)
+        return w - 0.1 * g, ns, loss
+
+    def kendall(w, s, x):
+        part = jnp.mean((x @ w - 1.0) ** 2, axis=-1)
+        g = jax.grad(lambda w: jnp.sum(jnp.exp(-s) * jnp.mean((x @ w - 1.0) ** 2, axis=-1)))(w)
+        return w - 0.1 * g, s - 0.01 * (1.0 - jnp.exp(-s) * part), jnp.sum(jnp.exp(-s) * part + s)
+
+    return {"ema": ema, "recurrent": recurrent, "haiku": haiku, "kendall": kendall}
+
+
+@claim(
+    PAGE,
+    "and a later call that passes back there an array the call before returned as a per-step output, a carry that was sliced, is an `autoflat.ShapeError` that asks for `state=` or `per_step=` before taking anything",
+)
+@pytest.mark.parametrize("kind", ["ema", "recurrent", "haiku", "kendall"])
+def test_rule_11_a_per_step_output_passed_back_as_a_per_step_input_is_asked_about(kind):
+    """The first call reads the carry per step (the page's rule, silently); the second, given
+    back what position 1 returned, raises before taking anything (the state passed in still
+    usable), naming `state={c: 1}`, which gives `jax.jit`'s result."""
+    update = _sliced_carries()[kind]
+    carry = list(inspect.signature(update).parameters)[1]
+    w0 = jnp.full((3, K), 0.1) if kind == "recurrent" else jnp.full((3, 5), 0.1)
+    c0 = jnp.zeros((K, K)) if kind == "recurrent" else jnp.zeros(K)  # (a batch of K rows)
+    xs = data(2 * K, K, 3, seed=5)
+    step = autoflat.step(update, num_steps=K)
+    w, c, _ = step(w0, c0, xs[:K])
+    assert role_line(step, carry).endswith("[rule: leading-axis]")
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(w, c, xs[K:])
+    message = str(info.value)
+    assert f"`{carry}` holds what return position 1 gave back last call" in message
+    assert f'state={{"{carry}": 1}})' in message and f'per_step="{carry}")' in message
+    assert not w.is_deleted() and not c.is_deleted()
+    fixed = autoflat.step(update, num_steps=K, state={carry: 1})
+    (ref_w, ref_c), _ = jit_loop(update, (w0, c0), (xs,), 2 * K)
+    (got_w, got_c), _ = step_loop(fixed, (w0, c0), (xs,), 2 * K, K)
+    tree_allclose((got_w, got_c), (ref_w, ref_c), rtol=1e-5)
+
+
 def _ensemble_steps():
     """An ensemble of K members (leading axis K = num_steps) whose new value is returned
     under a name sharing no word with it: camel case, a word for new only, an abbreviation."""
