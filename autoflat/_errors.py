@@ -305,15 +305,15 @@ chunk. Say which it is:
 {echo}"""
 
 PER_STEP_FED_BACK = """\
-Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` holds what return position \
-{pos} gave back last call, passed in again. `{param}` was read as a per-step input by its \
-shapes at the first call (a leading axis of {num_steps} = num_steps), so the last call gave \
-each step one row of it and stacked what position {pos} gave back per step. If `{param}` is \
-carried from step to step (an episode return per environment, a recurrent state, running \
-statistics), that reading was wrong: the last call's results, its new state too, are not \
-what the step carried gives. Carry it, and start again from a state made before that call:
+Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` holds what {at} gave back \
+last call, passed in again. `{param}` was read as a per-step input by its shapes at the first \
+call (a leading axis of {num_steps} = num_steps), so the last call gave each step one row of \
+it and stacked what each step gave back there, one step's value of `{param}`'s shapes. If \
+`{param}` is carried from step to step (an episode return per environment, a recurrent state, \
+running statistics), that reading was wrong: the last call's results, its new state too, are \
+not what the step carried gives. Carry it, and start again from a state made before that call:
 
-    @autoflat.step(num_steps={num_steps}, state={{"{param}": {pos}}})   # carried from step to step
+    @autoflat.step(num_steps={num_steps}, {option})   # carried from step to step
 
 If each step does take one row of it, and the rows it gives back are its input next call, \
 say so:

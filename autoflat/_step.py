@@ -42,8 +42,8 @@ from ._roles.options import check_bound_variadic
 from ._roles.roles import Options
 from ._runtime.call import prepare
 from ._runtime.diagnostics import Diagnostics, Stats
-from ._runtime.fed_back import FedBack
 from ._runtime.entry import entry, jitted, landed, relinked
+from ._runtime.fed_back import FedBack
 from ._runtime.finish import finish, hand_over
 from ._runtime.launch import check_pending, launch, note_recoverable, runner
 from ._runtime.program import Program, Programs

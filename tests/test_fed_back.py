@@ -45,7 +45,9 @@ def test_passed_back_it_raises_before_taking_the_state():
         step(params, opt_state, ret, xs[K:])
     after = autoflat.stats(step)
     assert (after.traces, after.fast_path, after.flattens) == (
-        before.traces, before.fast_path, before.flattens
+        before.traces,
+        before.fast_path,
+        before.flattens,
     )  # refused before taking anything
     assert jnp.isfinite(params["w"]).all()  # the handle, not consumed
     step(params, opt_state, jnp.zeros(K), xs[K:])  # fresh data: runs
@@ -95,3 +97,72 @@ def test_the_outputs_are_not_kept_alive():
     del ret, loss
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def _pooled(d, real, pool):
+    """A discriminator fed last call's fakes from a pool: one per step, never a carry (one
+    step's fake has the shape of a row of the pool, not of the pool)."""
+    fake = real * 0.5 + 1.0
+    return d + 0.01 * (real.mean() - pool.mean()), fake
+
+
+def test_an_output_passed_back_where_it_cannot_be_the_new_value_runs():
+    real = jax.random.normal(jax.random.key(0), (2, K, 8, 3))
+    step = autoflat.step(_pooled, num_steps=K)
+    d, fakes = step(jnp.zeros(()), real[0], jnp.zeros((K, 8, 3)))
+    d, fakes = step(d, real[1], fakes)
+    want = jnp.zeros(())
+    pool = jnp.zeros((K, 8, 3))
+    for chunk in real:
+        new_pool = []
+        for i in range(K):
+            want, fake = jax.jit(_pooled)(want, chunk[i], pool[i])
+            new_pool.append(fake)
+        pool = jnp.stack(new_pool)
+    tree_allclose((d, fakes), (want, pool), rtol=1e-6)
+
+
+def _running_dict(w, ret, x):
+    loss, g = jax.value_and_grad(lambda w: jnp.mean(((x @ w).sum(-1) - ret) ** 2))(w)
+    return {"w": w - 0.1 * g, "episode": 0.9 * ret + x.sum(-1), "loss": loss}
+
+
+def test_a_returned_dict_names_its_key_and_the_option_that_carries_it():
+    xs = _xs(2 * K)
+    step = autoflat.step(_running_dict, num_steps=K)
+    out = step(jnp.full((3, 2), 0.1), jnp.zeros(K), xs[:K])
+    with pytest.raises(autoflat.ShapeError) as info:
+        step(out["w"], out["episode"], xs[K:])
+    assert "`ret` holds what the returned key 'episode' gave back last call" in str(info.value)
+    assert 'num_steps=4, state="ret")' in str(info.value)
+    fixed = autoflat.step(_running_dict, num_steps=K, state="ret")
+    got = {"w": jnp.full((3, 2), 0.1), "episode": jnp.zeros(K)}
+    want = dict(got)
+    for start in (0, K):
+        got = fixed(got["w"], got["episode"], xs[start : start + K])
+    for x in xs:
+        want = jax.jit(_running_dict)(want["w"], want["episode"], x)
+    tree_allclose((got["w"], got["episode"]), (want["w"], want["episode"]), rtol=1e-5)
+
+
+def test_only_a_program_s_first_calls_are_recorded():
+    """Later calls pay nothing: what the third call returns is not recorded."""
+    xs = _xs(K)
+    step = autoflat.step(_running, num_steps=K)
+    state = _start()
+    for _ in range(3):
+        *_, ret, _ = step(*state[:2], jnp.zeros(K), xs)
+    step(*state[:2], ret, xs)  # (not refused: a carry shows at the second call)
+    with pytest.raises(autoflat.ShapeError):
+        fresh = autoflat.step(_running, num_steps=K)
+        *_, ret, _ = fresh(*state[:2], jnp.zeros(K), xs)
+        fresh(*state[:2], ret, xs)
+
+
+def test_profiling_keeps_what_the_last_call_returned():
+    xs = _xs(K)
+    step = autoflat.step(_running, num_steps=K)
+    params, opt_state, ret, _ = step(*_start(), xs)
+    autoflat.profile(step, params, opt_state, jnp.zeros(K), xs, calls=2)
+    with pytest.raises(autoflat.ShapeError):
+        step(params, opt_state, ret, xs)

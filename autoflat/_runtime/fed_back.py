@@ -4,11 +4,15 @@ output the call before: a carry that was sliced per step.
 At num_steps > 1 an argument whose every array leads with num_steps is read as per-step
 (rule `leading-axis`). A carry of num_steps rows (an episode return over num_steps
 environments, a recurrent state of a batch of num_steps) type-checks read so too: each step
-gets one row, and the value the step gives back is stacked as a per-step output, of the same
-shape. Nothing in the first call tells the two apart; the calls after it do: a carry's new
-value is passed back in, per-step data is not. `FedBack` keeps the last call's per-step
-output arrays (weakly, by identity) and `refuse` raises where a later call passes one of them
-back at such a parameter, before anything of that call is taken.
+gets one row, and the value the step gives back is stacked as a per-step output. Nothing in
+the first call tells the two apart; the calls after it do: a carry's new value is passed back
+in, per-step data is not. `FedBack` keeps a call's per-step output arrays (weakly, by
+identity), and `refuse` raises where the next call passes one of them back at such an
+argument, before anything of that call is taken, if one step's value at that position has the
+shapes the argument had (the value it could be the new one of).
+
+Only the first `CHECKED_CALLS` calls of a program are recorded: a carry is passed back from
+the second call on, and later calls pay nothing.
 """
 
 from __future__ import annotations
@@ -17,44 +21,83 @@ import weakref
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._errors import PER_STEP_FED_BACK, ShapeError, error
 
+# Calls of one program whose per-step outputs are recorded.
+CHECKED_CALLS = 2
+
 
 class FedBack:
-    """The array leaves of a step's last per-step outputs, each with its return position."""
+    """What a step's last call returned as per-step outputs, while its program is new."""
 
-    __slots__ = ("_last",)
+    __slots__ = ("_last", "_shapes", "_program", "_left")
 
     def __init__(self) -> None:
-        # id(array) -> (weak reference to it, its return position)
+        # id(array) -> (a weak reference to it, its output index)
         self._last: dict[int, tuple[weakref.ref[Any], int]] = {}
+        # per output index, one step's shapes of its leaves; per parameter, its leaves' shapes
+        self._shapes: tuple[dict[int, list[tuple[int, ...]]], dict[str, list[Any]]] = ({}, {})
+        self._program: Any = None
+        self._left = 0
 
-    def remember(self, program: Any, outputs: Any) -> None:
+    def remember(self, program: Any, args: tuple[Any, ...], outputs: Any) -> None:
         """After a call: its per-step outputs, where the program reads an argument as per-step
-        by its shapes (else nothing could be passed back there)."""
+        by its shapes (else nothing could be passed back there), and those arguments' shapes."""
+        if program is not self._program:
+            self._program, self._left = program, CHECKED_CALLS
+        if not (program.by_shape_scanned and outputs and self._left > 0):
+            self._last = {}
+            return
+        self._left -= 1
         last: dict[int, tuple[weakref.ref[Any], int]] = {}
-        if program.by_shape_scanned and outputs:
-            for j, pos in enumerate(program.out_positions):
-                for x in jax.tree_util.tree_leaves(outputs[j]):
-                    if isinstance(x, jax.Array):
-                        last[id(x)] = (weakref.ref(x), pos)
-        self._last = last
+        out_shapes: dict[int, list[tuple[int, ...]]] = {}
+        for j in range(len(program.out_positions)):
+            leaves = jax.tree_util.tree_leaves(outputs[j])
+            out_shapes[j] = [np.shape(x)[1:] for x in leaves]
+            for x in leaves:
+                if isinstance(x, jax.Array):
+                    last[id(x)] = (weakref.ref(x), j)
+        names = program.roles.params
+        arg_shapes = {
+            names[i]: [np.shape(x) for x in jax.tree_util.tree_leaves(args[i])]
+            for i in (program.scanned_idx[j] for j in program.by_shape_scanned)
+        }
+        self._last, self._shapes = last, (out_shapes, arg_shapes)
 
     def refuse(self, step: Any, program: Any, args: tuple[Any, ...]) -> None:
         """Before a call takes anything: raise a `ShapeError` where an argument read as
-        per-step by its shapes holds an array the last call returned as a per-step output."""
+        per-step by its shapes holds an array the last call returned as a per-step output
+        whose one step's value has the shapes that argument had then."""
         last = self._last
-        if not last:
+        if not last or program is not self._program:
             return
+        out_shapes, arg_shapes = self._shapes
         for j in program.by_shape_scanned:
             i = program.scanned_idx[j]
+            param = program.roles.params[i]
             for x in jax.tree_util.tree_leaves(args[i]):
                 found = last.get(id(x))
-                if found is not None and found[0]() is x:
-                    self._raise(step, program, program.roles.params[i], found[1])
+                if found is None or found[0]() is not x:
+                    continue
+                if out_shapes.get(found[1]) == arg_shapes.get(param):
+                    _raise(step, program, param, found[1])
 
-    @staticmethod
-    def _raise(step: Any, program: Any, param: str, pos: int) -> None:
-        k = step.num_steps
-        raise error(ShapeError, PER_STEP_FED_BACK, step._analysis, param=param, pos=pos, num_steps=k)
+
+def _raise(step: Any, program: Any, param: str, j: int) -> None:
+    layout = program.roles.layout
+    pos = program.out_positions[j]
+    if layout.keys:  # a returned dict: its positions are its keys
+        at, option = f"the returned key {layout.keys[pos]!r}", f'state="{param}"'
+    else:
+        at, option = f"return position {pos}", f'state={{"{param}": {pos}}}'
+    raise error(
+        ShapeError,
+        PER_STEP_FED_BACK,
+        step._analysis,
+        param=param,
+        at=at,
+        option=option,
+        num_steps=step.num_steps,
+    )

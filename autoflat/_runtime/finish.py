@@ -62,7 +62,7 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
     if not step.lazy:
         _real_objects(step, handles)
     register_with_flax()
-    step._fed_back.remember(program, outputs)
+    step._fed_back.remember(program, args, outputs)
     return program.result(handles, outputs)
 
 

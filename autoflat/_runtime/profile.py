@@ -276,11 +276,12 @@ def _isolated(step: Any) -> Iterator[list[str]]:
     (those of the block added)."""
     stats, diag, origin = step.stats, step._diag, step._origin
     saved_stats = stats.snapshot()
-    saved = {n: getattr(step, n) for n in (*_CACHES, "_nnx")}
+    saved = {n: getattr(step, n) for n in (*_CACHES, "_nnx", "_fed_back")}
     saved_diag = (diag._last_key, diag._warned, diag._pending, list(diag.changes))
     saved_sites = collections.Counter(origin.rebuilt_at)
     step._last, step._bcast_last, step._in_flight = {}, {}, None
     step._nnx = type(step._nnx)()
+    step._fed_back = type(step._fed_back)()
     try:
         yield diag.changes
     finally:

@@ -1228,7 +1228,7 @@ def _sliced_carries():
 
 @claim(
     PAGE,
-    "and a later call that passes back there an array the call before returned as a per-step output, a carry that was sliced, is an `autoflat.ShapeError` that asks for `state=` or `per_step=` before taking anything",
+    "and the next call passing back there an array the call before returned as a per-step output, one step's value of the argument's shapes (a carry that was sliced), is an `autoflat.ShapeError` that asks for `state=` or `per_step=` before taking anything",
 )
 @pytest.mark.parametrize("kind", ["ema", "recurrent", "haiku", "kendall"])
 def test_rule_11_a_per_step_output_passed_back_as_a_per_step_input_is_asked_about(kind):
