@@ -95,8 +95,8 @@ def test_a_large_matmul_step_is_device_bound():
 def test_the_device_time_of_a_loop_that_waits_on_the_device(monkeypatch):
     """On a TPU, awaiting the 484 buffers an empty program gave back took most of what the
     step's program took to await, so their difference made a device-bound step of 2.4 ms a
-    call about 0.13 ms, and host-bound. Simulated here: the backend made to say "tpu", and
-    the empty program doing the step's work. The program's calls back to back, which wait
+    call about 0.13 ms, and host-bound. Simulated here: the step's results taken as on an
+    accelerator, and the empty program doing the step's work. The program's calls back to back, which wait
     on the device, still tell the device time."""
     from autoflat._runtime import profile as profile_module
 
@@ -114,13 +114,23 @@ def test_the_device_time_of_a_loop_that_waits_on_the_device(monkeypatch):
 
     w, x = jnp.full((768, 768), 1e-3), jnp.ones((768, 768))
     monkeypatch.setattr(profile_module, "_noop", busy_noop)
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(profile_module, "_on_accelerator", lambda ran: True)
     p = autoflat.profile(heavy, w, x, calls=3)
     assert p.roundtrip_s > 0.5 * p.loop_s  # the empty program costs as much as the step
     assert p.device_s > 0.5 * p.loop_s  # the program's calls back to back wait on the device
     # Device-bound; not how far (with the suite's workers on every core, the host's figures
     # here are noisy: once its share was 40%, where it is about 1% alone).
     assert not p.host_bound
+
+
+def test_the_device_a_step_ran_on_is_where_its_results_are(monkeypatch):
+    """A step whose results are on the CPU ran there, whatever JAX's default backend (a GPU
+    machine's default, with the step placed on its CPU); with no array, the default says."""
+    from autoflat._runtime import profile as profile_module
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not profile_module._on_accelerator((jnp.ones(2), {"w": jnp.zeros(3)}))
+    assert profile_module._on_accelerator((1, None))
 
 
 # Medians measured on a TPU v5e (microseconds a call: the program's launch, its calls back to

@@ -220,8 +220,9 @@ def measure(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], calls: int
         for _ in range(2):  # the first call may trace; the second takes handles
             bound, ran = _call_and_chain(step, program, bound)
         _block(ran)
+        accelerator = _on_accelerator(ran)
         medians, counts, step_bytes = _time(step, program, bound, calls)
-    device, device_max = _device_per_call(medians, jax.default_backend() != "cpu")
+    device, device_max = _device_per_call(medians, accelerator)
     return Profile(
         step=step.__qualname__,
         where=step._analysis.where,
@@ -359,15 +360,27 @@ def _chained(program: Any, bound: inspect.BoundArguments, result: Any) -> inspec
 
 
 def _block(ran: Any) -> None:
-    """Wait for a call (`_call_and_chain`'s), reading handles' buffers without unpacking
-    them."""
+    """Wait for a call (`_call_and_chain`'s)."""
+    jax.block_until_ready(_buffers(ran))
+
+
+def _buffers(ran: Any) -> list[Any]:
+    """A call's result's arrays, reading handles' buffers without unpacking them."""
     arrays = []
     for x in jax.tree_util.tree_leaves(ran, is_leaf=lambda y: type(y) is LazyHandle):
         if type(x) is LazyHandle:
             arrays.extend(object.__getattribute__(x, "_af_arrays"))
         elif isinstance(x, jax.Array):
             arrays.append(x)
-    jax.block_until_ready(arrays)
+    return arrays
+
+
+def _on_accelerator(ran: Any) -> bool:
+    """Whether the step ran on an accelerator: where its results are (a step placed on the
+    CPU of a machine with a GPU ran on the CPU), else JAX's default backend."""
+    for x in _buffers(ran):
+        return any(d.platform != "cpu" for d in x.devices())
+    return jax.default_backend() != "cpu"
 
 
 def _time(
