@@ -71,8 +71,8 @@ class Program:
             k for k, p in enumerate(roles.of("broadcast")) if rules[p] == "no-leading-axis"
         )
         # Per-step arguments read so by their shapes (rule `leading-axis`): positions among
-        # `scanned_idx`, checked on every call against the last call's per-step outputs
-        # (`fed_back`); and the return position of each per-step output.
+        # `scanned_idx`, checked at the program's first calls against the last call's per-step
+        # outputs (`fed_back`); and the return position of each per-step output.
         self.by_shape_scanned = tuple(
             k for k, p in enumerate(roles.of("scanned")) if rules[p] == "leading-axis"
         )
