@@ -184,3 +184,52 @@ def test_a_mesh_mixing_explicit_and_automatic_axes():
         p, s, _ = autoflat.step(train_step, num_steps=2)(params, tx.init(params), xs)
     tree_allclose(p, rp)
     assert p["w"].sharding == rp["w"].sharding
+
+
+# Upstream: patrick-kidger/equinox, docs/examples/parallelism.ipynb: `compute_loss` and
+# `train_step` verbatim (upstream decorates the step `@eqx.filter_jit(donate="all")`); the
+# mesh on 8 devices, the model and data shrunk.
+_mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+data_sharding = NamedSharding(_mesh, P("batch"))
+model_sharding = NamedSharding(_mesh, P())
+optim = optax.adam(3e-4)
+
+
+def compute_loss(model, x, y):
+    pred_y = jax.vmap(model)(x)
+    return jnp.mean((y - pred_y) ** 2)
+
+
+def train_step(model, opt_state, x, y):
+    import equinox as eqx
+
+    model, opt_state = eqx.filter_shard((model, opt_state), model_sharding)
+    x, y = eqx.filter_shard((x, y), data_sharding)
+    grads = eqx.filter_grad(compute_loss)(model, x, y)
+    updates, opt_state = optim.update(grads, opt_state)
+    model = eqx.apply_updates(model, updates)
+    return eqx.filter_shard((model, opt_state), model_sharding)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_equinox_parallelism_example_returns_its_state_through_filter_shard(k):
+    """`return eqx.filter_shard((model, opt_state), ...)`: a sharding constraint passes the
+    updated values through, so the returned tuple's items are the return positions, as for
+    `return (model, opt_state)`; equal to upstream's `eqx.filter_jit` loop. (The model holds
+    `jax.nn.relu`, which crossed `jax.jit` as an output where the tuple was one output.)"""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
+    xs = jax.random.normal(jax.random.key(1), (8, 16, 4))
+    ys = jnp.sin(xs)
+    want = (model, opt_state)
+    for x, y in zip(xs, ys, strict=True):
+        want = eqx.filter_jit(train_step)(*want, x, y)
+    step = autoflat.step(train_step, num_steps=k)
+    got = (model, opt_state)
+    for start in range(0, 8, k):
+        x, y = (xs[start], ys[start]) if k == 1 else (xs[start : start + k], ys[start : start + k])
+        got = step(*got, x, y)
+    assert "state (matched by value to return position 0)" in autoflat.show(step)
+    tree_allclose(eqx.filter(autoflat.unwrap(got), eqx.is_array), eqx.filter(want, eqx.is_array))

@@ -369,9 +369,12 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         # (a scalar product takes an operand's leaf only as a multiple of it, `0.9 * m`:
         # `wd * reg` weighs `wd`, it does not update it; `w * jnp.exp(-eta * losses)` does)
         operands = [x for x in operands if _own_leaf(x) == scaled]
+    direct = frozenset(own for x in operands if (own := _own_leaf(x)) is not None)
+    if through:  # (a cast, a reshape or a sharding constraint of `p + u` still takes `p`)
+        direct |= ins[0][1].direct
     out = _Var(
         _NONE.union(*(x.sources for _, x in ins)),
-        frozenset(own for x in operands if (own := _own_leaf(x)) is not None),
+        direct,
         ins[0][1].root if through else None,
         smooth,
         spread,
@@ -588,8 +591,17 @@ def _size(aval: Any) -> int:
     return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
 
 
-# Operations that pass a value through (a cast, a copy, a reshape): what they make is still
-# the parameter's own leaf for `flows`.
+# Operations that pass a value through (a cast, a copy, a reshape, a sharding constraint:
+# `jax.lax.with_sharding_constraint`, `eqx.filter_shard`): what they make is still the
+# parameter's own leaf for `flows`.
 _PASS_THROUGH = frozenset(
-    {"convert_element_type", "copy", "copy_p", "reshape", "squeeze", "expand_dims"}
+    {
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "sharding_constraint",
+    }
 )

@@ -1899,6 +1899,38 @@ def test_a_rate_times_a_picked_factor_under_a_name_of_its_own_is_asked_about():
         assert role_line(step, "lr").startswith("state ("), fn.__name__
 
 
+def _sharded_adam(w, opt_state, x):
+    import equinox as eqx
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
+    updates, opt_state = optax.adam(0.1).update(g, opt_state)
+    w = optax.apply_updates(w, updates)
+    return eqx.filter_shard((w, opt_state), sharding)
+
+
+@claim(
+    PAGE,
+    "so that `return eqx.filter_shard((model, opt_state), sharding)` gives back its items as `return model, opt_state` does",
+)
+def test_a_tuple_returned_through_a_sharding_constraint_gives_back_its_items():
+    xs = data(8, 3)
+    start = (jnp.zeros(3), optax.adam(0.1).init(jnp.zeros(3)))
+    step = autoflat.step(_sharded_adam, num_steps=K)
+    assert role_line_after(step, start, xs[:K], "w") == (
+        "state (matched by value to return position 0) [rule: matched-by-value]"
+    )
+    (ref_w, ref_s), _ = jit_loop(_sharded_adam, start, (xs,), 8)
+    (got_w, got_s), _ = step_loop(autoflat.step(_sharded_adam, num_steps=K), start, (xs,), 8, K)
+    tree_allclose((got_w, got_s), (ref_w, ref_s), rtol=1e-6)
+
+
+def role_line_after(step, start, x, name):
+    """`name`'s header line after one call."""
+    step(*start, x)
+    return role_line(step, name)
+
+
 @jax.jit
 def _jitted_helper(w, m, x):
     g = jax.grad(lambda w: jnp.sum((w * x - 1.0) ** 2))(w)
@@ -1907,7 +1939,11 @@ def _jitted_helper(w, m, x):
 
 @claim(
     PAGE,
-    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers; a product giving a scalar takes only a multiple: `reg = wd * jnp.sum(w ** 2)` weighs `wd`)",
+    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers and through casts, reshapes and sharding constraints,",
+)
+@claim(
+    PAGE,
+    "a product giving a scalar takes only a multiple: `reg = wd * jnp.sum(w ** 2)` weighs `wd`)",
 )
 def test_a_bare_array_whose_last_operation_takes_its_array_is_matched():
     def sgd(w, lr, x):
