@@ -166,3 +166,43 @@ def test_profiling_keeps_what_the_last_call_returned():
     autoflat.profile(step, params, opt_state, jnp.zeros(K), xs, calls=2)
     with pytest.raises(autoflat.ShapeError):
         step(params, opt_state, ret, xs)
+
+
+def _noisy(i, w):  # (jax's examples/advi.py: a key made from the step index)
+    return w + jax.random.normal(jax.random.key(i), ())
+
+
+def test_a_python_int_grown_by_num_steps_is_a_step_counter_and_asked_about():
+    """Static, a Python int is the same for each step of a call; grown by num_steps at the
+    next call, it is a step counter: an `OptionError` naming per-step indices, which give
+    `jax.jit`'s result, and the options that keep one value a call."""
+    want = jnp.zeros(())
+    for t in range(8):
+        want = jax.jit(_noisy)(t, want)
+    step = autoflat.step(_noisy, num_steps=K)
+    w = step(0, jnp.zeros(()))
+    with pytest.raises(autoflat.OptionError) as info:
+        step(K, w)
+    message = str(info.value)
+    assert "`i` went from 0 to 4 since the last call, by num_steps" in message
+    assert "jnp.arange(i, i + 4)" in message and 'broadcast="i"' in message
+    assert 'static_argnames="i"' in message
+    per_step = autoflat.step(_noisy, num_steps=K)
+    got = jnp.zeros(())
+    for t in range(0, 8, K):
+        got = per_step(jnp.arange(t, t + K), got)
+    tree_allclose(got, want, rtol=1e-6)
+    for option in ({"broadcast": "i"}, {"static_argnames": "i"}):
+        said = autoflat.step(_noisy, num_steps=K, **option)
+        w = jnp.zeros(())
+        for t in range(0, 8, K):
+            w = said(t, w)  # (one value a call, as said)
+    assert autoflat.stats(said).traces == 2  # static: compiled per value
+
+
+def test_other_python_ints_run():
+    """An int that changes otherwise (an epoch, one more a call) or stays runs as before."""
+    step = autoflat.step(_noisy, num_steps=K)
+    w = jnp.zeros(())
+    for t in (0, 1, 2, 2):
+        w = step(t, w)

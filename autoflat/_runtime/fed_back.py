@@ -11,6 +11,11 @@ identity), and `refuse` raises where the next call passes one of them back at su
 argument, before anything of that call is taken, if one step's value at that position has the
 shapes the argument had (the value it could be the new one of).
 
+A step counter passed as a Python int is the other such reading: static at num_steps > 1,
+the same for every step of a call, where k calls of the step under `jax.jit` see k values.
+The next call shows it: the int has grown by num_steps (`step(t, ...)` in a loop over
+`range(0, n, num_steps)`), and `refuse` raises, naming per-step indices.
+
 Only the first `CHECKED_CALLS` calls of a program are recorded: a carry is passed back from
 the second call on, and later calls pay nothing.
 """
@@ -23,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._errors import PER_STEP_FED_BACK, ShapeError, error
+from .._errors import COUNTER_BY_NUM_STEPS, PER_STEP_FED_BACK, OptionError, ShapeError, error
 
 # Calls of one program whose per-step outputs are recorded.
 CHECKED_CALLS = 2
@@ -32,13 +37,15 @@ CHECKED_CALLS = 2
 class FedBack:
     """What a step's last call returned as per-step outputs, while its program is new."""
 
-    __slots__ = ("_last", "_shapes", "_program", "_left")
+    __slots__ = ("_last", "_shapes", "_numbers", "_program", "_left")
 
     def __init__(self) -> None:
         # id(array) -> (a weak reference to it, its output index)
         self._last: dict[int, tuple[weakref.ref[Any], int]] = {}
         # per output index, one step's shapes of its leaves; per parameter, its leaves' shapes
         self._shapes: tuple[dict[int, list[tuple[int, ...]]], dict[str, list[Any]]] = ({}, {})
+        # per parameter index, the Python int the last call passed (a static number)
+        self._numbers: dict[int, int] = {}
         self._program: Any = None
         self._left = 0
 
@@ -47,10 +54,13 @@ class FedBack:
         by its shapes (else nothing could be passed back there), and those arguments' shapes."""
         if program is not self._program:
             self._program, self._left = program, CHECKED_CALLS
-        if not (program.by_shape_scanned and outputs and self._left > 0):
-            self._last = {}
+        self._last, self._numbers = {}, {}
+        if self._left <= 0:
             return
         self._left -= 1
+        self._numbers = {i: args[i] for i in program.static_numbers if type(args[i]) is int}
+        if not (program.by_shape_scanned and outputs):
+            return
         last: dict[int, tuple[weakref.ref[Any], int]] = {}
         out_shapes: dict[int, list[tuple[int, ...]]] = {}
         for j in range(len(program.out_positions)):
@@ -70,8 +80,13 @@ class FedBack:
         """Before a call takes anything: raise a `ShapeError` where an argument read as
         per-step by its shapes holds an array the last call returned as a per-step output
         whose one step's value has the shapes that argument had then."""
+        if program is not self._program:
+            return
+        for i, before in self._numbers.items():
+            if type(args[i]) is int and args[i] - before == step.num_steps:
+                _counter(step, program.roles.params[i], before, args[i])
         last = self._last
-        if not last or program is not self._program:
+        if not last:
             return
         out_shapes, arg_shapes = self._shapes
         for j in program.by_shape_scanned:
@@ -100,4 +115,18 @@ def _raise(step: Any, program: Any, param: str, j: int) -> None:
         at=at,
         option=option,
         num_steps=step.num_steps,
+    )
+
+
+def _counter(step: Any, param: str, before: int, now: int) -> None:
+    k = step.num_steps
+    raise error(
+        OptionError,
+        COUNTER_BY_NUM_STEPS,
+        step._analysis,
+        param=param,
+        before=before,
+        now=now,
+        num_steps=k,
+        last=before + k - 1,
     )

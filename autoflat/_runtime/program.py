@@ -42,6 +42,7 @@ class Program:
         "static_names",
         "by_shape_bcast",
         "by_shape_scanned",
+        "static_numbers",
         "out_positions",
         "__weakref__",
     )
@@ -75,6 +76,11 @@ class Program:
         # outputs (`fed_back`); and the return position of each per-step output.
         self.by_shape_scanned = tuple(
             k for k, p in enumerate(roles.of("scanned")) if rules[p] == "leading-axis"
+        )
+        # Python numbers made static by their type (rule `python-scalar`): a step counter among
+        # them shows at the next call (`fed_back`).
+        self.static_numbers = tuple(
+            idx[p] for p in roles.of("static") if rules[p] == "python-scalar"
         )
         self.out_positions = tuple(
             q for q, (kind, _) in enumerate(roles.layout.entries) if kind == "out"

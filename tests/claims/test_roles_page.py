@@ -3790,7 +3790,11 @@ def test_the_example_of_what_comes_back():
 
 @claim(
     PAGE,
-    "`return opt_update(i, g, opt_state)` (jax `example_libraries.optimizers`) | `opt_state` matched by value: state; a Python int `i` is static with `num_steps > 1` (pass `jnp.asarray(i)`, or per-step indices `jnp.arange(i, i + k)`, for one compile across values)",
+    "`return opt_update(i, g, opt_state)` (jax `example_libraries.optimizers`) | `opt_state` matched by value: state; a Python int `i` is static with `num_steps > 1`, the same for every step of a call (per-step indices `jnp.arange(i, i + k)` give each step its own, in one compile; `jnp.asarray(i)` is one traced value for every step of a call)",
+)
+@claim(
+    PAGE,
+    'The next call shows it: a Python int grown by `num_steps` since the last call is an `autoflat.OptionError` that names per-step indices, `jnp.arange(i, i + num_steps)` (a leading axis of `num_steps`: per-step, traced, one compile), and `broadcast="i"` or `static_argnames="i"` for one value a call.',
 )
 def test_pattern_example_libraries_optimizer():
     from jax.example_libraries import optimizers
@@ -3811,17 +3815,18 @@ def test_pattern_example_libraries_optimizer():
     rs = opt_init(params)
     for i in range(8):
         rs = ref(i, rs, xs[i])
-    # a Python int i: static, one compile per value
+    # a Python int i: static, the same for every step of a call; grown by num_steps, asked
     step = autoflat.step(update, num_steps=K)
-    s = opt_init(params)
-    for c in range(2):
-        s = step(c * K, s, xs[c * K : (c + 1) * K])
+    s = step(0, opt_init(params), xs[:K])
     assert role_line(step, "opt_state").startswith("state (matched by value")
     assert (
         role_line(step, "i")
         == "static (a Python int, static as in eqx.filter_jit) [rule: python-scalar]"
     )
-    assert autoflat.stats(step).traces == 2
+    with pytest.raises(autoflat.OptionError) as info:
+        step(K, s, xs[K:])
+    assert "jnp.arange(i, i + 4)" in str(info.value) and 'broadcast="i"' in str(info.value)
+    assert 'static_argnames="i"' in str(info.value)
     # per-step indices: one compile across values, as a jax.jit loop
     step = autoflat.step(update, num_steps=K)
     s = opt_init(params)
@@ -3829,12 +3834,15 @@ def test_pattern_example_libraries_optimizer():
         s = step(jnp.arange(c * K, (c + 1) * K), s, xs[c * K : (c + 1) * K])
     assert autoflat.stats(step).traces == 1
     tree_allclose(get_params(s), get_params(rs), rtol=1e-5)
-    # jnp.asarray(i): broadcast, one compile
+    # jnp.asarray(i): broadcast, one compile, the same i for every step of a call
     step = autoflat.step(update, num_steps=K)
-    s = opt_init(params)
+    s, rs = opt_init(params), opt_init(params)
     for c in range(2):
         s = step(jnp.asarray(c), s, xs[c * K : (c + 1) * K])
+        for i in range(c * K, (c + 1) * K):
+            rs = ref(c, rs, xs[i])
     assert autoflat.stats(step).traces == 1
+    tree_allclose(get_params(s), get_params(rs), rtol=1e-5)
 
 
 @claim(
