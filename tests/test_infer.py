@@ -3610,3 +3610,63 @@ def test_a_per_step_rate_times_gradients_logged_as_upd_is_per_step():
     (gw,), gouts = _run(step, (w0,), (lrs, xs, ys), K, K)
     tree_allclose(autoflat.unwrap(gw), rw, rtol=1e-5)
     tree_allclose(gouts[0], jax.tree.map(lambda *o: jnp.stack(o), *routs), rtol=1e-5)
+
+
+# Upstream: google-deepmind/optax, examples/lbfgs.ipynb: `run_opt`'s `step(carry)` verbatim
+# (upstream runs it in a `lax.while_loop`), on upstream's Rosenbrock function.
+def _rosenbrock(w):
+    return jnp.sum(100.0 * (w[1:] - w[:-1] ** 2) ** 2 + (1.0 - w[:-1]) ** 2)
+
+
+_lbfgs = optax.lbfgs()
+value_and_grad_fun = optax.value_and_grad_from_state(_rosenbrock)
+
+
+def lbfgs_step(carry):
+    params, state = carry
+    value, grad = value_and_grad_fun(params, state=state)
+    updates, state = _lbfgs.update(
+        grad, state, params, value=value, grad=grad, value_fn=_rosenbrock
+    )
+    params = optax.apply_updates(params, updates)
+    return params, state
+
+
+def _halving(carry):
+    w, n = carry
+    return w * 0.5, n + 1
+
+
+@claim(
+    "docs/roles.md",
+    "but where they are the whole return, in order, and nothing else comes back (`def step(carry): params, state = carry; ...; return params, state`, a `lax.fori_loop` body as optax's L-BFGS example writes it), the whole return is its new value: carried, and returned as one tuple, as `jax.jit` callers pass it back, shown as `state (the whole return: ...)`.",
+)
+@pytest.mark.parametrize("fn", [lbfgs_step, _halving])
+def test_a_whole_return_that_is_one_tuple_argument_s_new_value_is_carried(fn):
+    """`def step(carry): ...; return params, state` (a `lax.fori_loop` or `while_loop` body,
+    as optax's L-BFGS example writes it): its items are the tuple argument's, one by one, and
+    nothing else comes back, so the whole return is its new value, carried at num_steps=4 as
+    `jax.jit` callers pass it back (it was refused, asking to rewrite the return)."""
+    start = (jnp.zeros(8), _lbfgs.init(jnp.zeros(8))) if fn is lbfgs_step else (jnp.ones(3), 0.0)
+    start = jax.tree.map(jnp.asarray, start)
+    want = start
+    for _ in range(8):
+        want = jax.jit(fn)(want)
+    step = autoflat.step(fn, num_steps=4)
+    got = start
+    for _ in range(2):
+        got = step(got)
+    header = autoflat.show(step)
+    assert "state (the whole return: its items are the tuple's, one by one)" in header
+    assert type(autoflat.unwrap(got)) is tuple
+    tree_allclose(autoflat.unwrap(got), want, rtol=1e-5)
+
+
+def test_a_whole_return_with_another_argument_given_back_is_not_one_carry():
+    """Two tuple arguments alike: no one of them is the whole return; asked as before."""
+
+    def two(a, b):
+        return a[0] * 0.5, a[1] + b[1]
+
+    with pytest.raises(autoflat.OptionError, match="come back one by one"):
+        autoflat.step(two, num_steps=4)((jnp.ones(3), jnp.zeros(())), (jnp.ones(3), jnp.zeros(())))

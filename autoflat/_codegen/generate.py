@@ -394,6 +394,9 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
         )
         return cst.FlattenSentinel([unpack, _assemble(roles, names, list(targets), node)])
     returned = node.value if node is not None else None
+    if roles.layout.whole and isinstance(returned, cst.Tuple):  # `return a, b` as one value
+        whole = returned.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        return _assemble(roles, names, [whole], node)
     return _assemble(roles, names, _elements(returned, roles.layout.nest), node)
 
 

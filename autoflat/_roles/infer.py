@@ -77,7 +77,7 @@ from .hazards import (
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
-from .nesting import looked_into
+from .nesting import computed_from, held_object, looked_into
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -124,6 +124,7 @@ def infer(
     run.roles_before_matching()
     run.state_positions()
     run.match_state()
+    run.whole_return()
     check_state_positions(run)
     run.match_promoted()
     check_matches(run)
@@ -171,6 +172,7 @@ class Inference:
         self.out: Any = None  # one step's abstract output, once evaluated
         self.first = analysis.returns[0] if analysis.returns else None
         self.unpacked = 0
+        self.whole = False  # the whole return is one parameter's new value (`whole_return`)
         self.keys: tuple[Any, ...] = ()  # a returned dict's, when its items are the positions
         self.state_at = dict(options.state_at)
         self.matched: dict[str, tuple[int, str]] = {}  # rule 3
@@ -422,6 +424,40 @@ class Inference:
         self.counters = counters
         self.outputs = outputs
 
+    def whole_return(self) -> None:
+        """`def step(carry): w, n = carry; return w * 0.5, n + 1`, a `lax.fori_loop` body: with
+        num_steps > 1, where nothing else is given back and one tuple argument's items are the
+        return positions one by one, in order, each computed from it, the whole return is its
+        new value (as `return (w * 0.5, n + 1)`), carried as `jax.jit` callers pass it back."""
+        first, outputs = self.first, self.outputs
+        if (
+            self.num_steps == 1
+            or first is None
+            or first.kind != "tuple"
+            or first.nest is not None
+            or not outputs
+            or self.given_back()
+            or self.returned_at
+        ):
+            return
+        arity = len(outputs)
+        tuples = [p for p in self.pending if type(held_object(self.values[p])) is tuple]
+        if len(tuples) != 1 or arity < 2:
+            return
+        p = tuples[0]
+        items = held_object(self.values[p])
+        flow = self.flow_of(first)()
+        if len(items) != arity or not all(
+            same_value(item, out) and (not jax.tree_util.tree_leaves(item) or computed_from(f, p))
+            for item, out, f in zip(items, outputs, flow, strict=True)
+        ):
+            return
+        self.whole = True
+        self.first = dataclasses.replace(first, kind="single", names=(None,), gradients=())
+        self.matched[p] = (0, "the whole return: its items are the tuple's, one by one")
+        self.pending.remove(p)
+        self.open_positions, self.outputs = [], [tuple(outputs)]
+
     def carried(self) -> list[str]:
         """The parameters that could come back through a return, in order: not a method's
         instance, those named broadcast= or bound by a functools.partial, or state written
@@ -599,6 +635,7 @@ class Inference:
             counters=self.counters,
             concrete=self.concrete,
             unpacked=self.unpacked,
+            whole=self.whole,
             keys=self.keys,
         )
         roles = assign_roles(self.analysis, self.options, call)

@@ -43,7 +43,7 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
     if first is None or first.nest is None:
         return analysis
     named = {n for r in analysis.returns for n in r.names if n is not None}
-    wholes = [_object(v) for p, v in values.items() if p not in named]
+    wholes = [held_object(v) for p, v in values.items() if p not in named]
     wholes = [w for w in wholes if isinstance(w, (tuple, list))]
     if not wholes:
         return analysis
@@ -81,7 +81,7 @@ def looked_into(analysis: Analysis, values: dict[str, Any], num_steps: int) -> A
     return dataclasses.replace(analysis, returns=returns)
 
 
-def _object(value: Any) -> Any:
+def held_object(value: Any) -> Any:
     """The object a lazy handle stands for, rebuilt from its leaves (no transfer)."""
     if type(value) is not LazyHandle:
         return value
@@ -105,8 +105,8 @@ def _fits(held: Any, value: Any, num_steps: int) -> bool:
 def _alike(value: Any, named: Any, num_steps: int) -> bool:
     """Same tree structure, and per leaf the same dtype and shape, or `named`'s leaf that shape
     under a leading axis of num_steps (a per-step argument's one step)."""
-    leaves, treedef = jax.tree_util.tree_flatten(_object(value))
-    others, other_def = jax.tree_util.tree_flatten(_object(named))
+    leaves, treedef = jax.tree_util.tree_flatten(held_object(value))
+    others, other_def = jax.tree_util.tree_flatten(held_object(named))
     same: bool = treedef == other_def  # type: ignore[operator]
     if not same:
         return False
@@ -121,7 +121,7 @@ def _alike(value: Any, named: Any, num_steps: int) -> bool:
 
 def _leading(value: Any, num_steps: int) -> bool:
     """Every leaf an array with a leading axis of num_steps > 1 (a per-step input's look)."""
-    leaves = jax.tree_util.tree_leaves(_object(value))
+    leaves = jax.tree_util.tree_leaves(held_object(value))
     return (
         num_steps > 1
         and bool(leaves)
@@ -152,7 +152,7 @@ def refuse_spread_state(
     paths = _paths(first.nest)
     taken_back = set(given_back.values())
     for p in pending:
-        value = _object(values[p])
+        value = held_object(values[p])
         if p in given_back or not isinstance(value, (tuple, list)) or not value:
             continue
         for path, positions in _groups(first.nest, paths):
@@ -195,7 +195,7 @@ def refuse_spread_flat(
     taken_back = set(given_back.values())
     flows: list[Flow] | None = None
     for p in pending:
-        value = _object(values[p])
+        value = held_object(values[p])
         if p in given_back or not isinstance(value, (tuple, list)) or len(value) < 2:
             continue
         if scalar_container(value):
@@ -211,7 +211,7 @@ def refuse_spread_flat(
                     if q not in taken_back
                     and q not in taken
                     and same_value(item, outputs[q])
-                    and (empty or _computed_from(flows[q], p))
+                    and (empty or computed_from(flows[q], p))
                 ),
                 None,
             )
@@ -229,7 +229,7 @@ def refuse_spread_flat(
             )  # fmt: skip
 
 
-def _computed_from(flow: Flow, param: str) -> bool:
+def computed_from(flow: Flow, param: str) -> bool:
     """Whether every leaf of a return position is computed from `param` other than
     through reductions alone (and there is one)."""
     return bool(flow.smooth) and all(param in sources for sources in flow.smooth)

@@ -37,6 +37,8 @@ class Layout:
     entries: tuple[tuple[Literal["state", "out"], int], ...]
     keys: tuple[Any, ...] = ()  # "unpacked" from a dict: its keys, one per entry
     nest: tuple[Any, ...] | None = None  # "tuple": the tuples looked into (`Return.nest`)
+    # "single" from a `return a, b` whose whole tuple is one state parameter's new value
+    whole: bool = False
 
     def build(self, items: list[Any]) -> Any:
         """The user's return value from its positions' `items`."""
@@ -159,6 +161,9 @@ def _layout(analysis: Analysis, ctx: Context, roles: tuple[Role, ...]) -> Layout
     arity = len(first.names) if first is not None and first.kind == "tuple" else 1
     if call is not None and call.unpacked:
         kind, arity = "unpacked", call.unpacked
+    whole = call is not None and call.whole
+    if whole:
+        kind, arity = "single", 1
     entries: list[tuple[Literal["state", "out"], int]] = []
     if first is not None:
         by_position = {pos: p for p, pos in positions.items()}
@@ -169,4 +174,4 @@ def _layout(analysis: Analysis, ctx: Context, roles: tuple[Role, ...]) -> Layout
             else:
                 entries.append(("out", sum(1 for k, _ in entries if k == "out")))
     nest = first.nest if first is not None and kind == "tuple" else None
-    return Layout(kind, tuple(entries), call.keys if call is not None else (), nest)
+    return Layout(kind, tuple(entries), call.keys if call is not None else (), nest, whole)

@@ -62,6 +62,8 @@ class Call:
     # dict its keys (`Layout`).
     unpacked: int = 0
     keys: tuple[Any, ...] = ()
+    # The whole `return a, b` is one parameter's new value (`Inference.whole_return`).
+    whole: bool = False
 
     def position(self, pos: int) -> str:
         """`return position 1`, or for a returned dict's items `return key 'params'`."""
