@@ -323,7 +323,7 @@ say so:
 
 COUNTER_BY_NUM_STEPS = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` went from {before} to {now} \
-since the last call, by num_steps: a step counter, it seems. A Python int is static with \
+since the last call, num_steps apart: a step counter, it seems. A Python int is static with \
 num_steps > 1, the same for every step of a call: each of the last call's {num_steps} steps saw \
 `{param}` = {before}, where {num_steps} calls of the step under jax.jit see {before} to {last}, \
 and every new value compiles again. Give each step its own (a leading axis of num_steps makes \
@@ -335,6 +335,8 @@ or, if every step of a call is to see the same value, say so:
 
     @autoflat.step(num_steps={num_steps}, broadcast="{param}")         # traced: one compile
     @autoflat.step(num_steps={num_steps}, static_argnames="{param}")   # compiled per value
+
+(static_argnames= also where the step needs `{param}` as a concrete value: a shape, a branch.)
 """
 
 # PER_STEP_AFTER_BROADCAST's third reading (`Roles.echoes`).

@@ -184,7 +184,7 @@ def test_a_python_int_grown_by_num_steps_is_a_step_counter_and_asked_about():
     with pytest.raises(autoflat.OptionError) as info:
         step(K, w)
     message = str(info.value)
-    assert "`i` went from 0 to 4 since the last call, by num_steps" in message
+    assert "`i` went from 0 to 4 since the last call, num_steps apart" in message
     assert "jnp.arange(i, i + 4)" in message and 'broadcast="i"' in message
     assert 'static_argnames="i"' in message
     per_step = autoflat.step(_noisy, num_steps=K)
@@ -206,3 +206,28 @@ def test_other_python_ints_run():
     w = jnp.zeros(())
     for t in (0, 1, 2, 2):
         w = step(t, w)
+
+
+def _scheduled(w, x, epoch):
+    lr = 0.1 if epoch < 2 else 0.01  # (a concrete int: static at one step a call)
+    return w - lr * x, jnp.sum(w * x)
+
+
+def test_one_step_a_call_takes_any_static_int():
+    """At num_steps=1 an int the step needs concrete is static, as `static_argnums` makes it:
+    one more each call is no step counter read as one value for several steps."""
+    step = autoflat.step(_scheduled, num_steps=1)
+    w = jnp.ones(3)
+    for epoch in range(3):
+        w, _ = step(w, jnp.ones(3), epoch)
+    want = jnp.ones(3)
+    for epoch in range(3):
+        want, _ = jax.jit(_scheduled, static_argnums=2)(want, jnp.ones(3), epoch)
+    tree_allclose(w, want)
+
+
+def test_a_countdown_by_num_steps_is_asked_about_too():
+    step = autoflat.step(_noisy, num_steps=K)
+    w = step(8, jnp.zeros(()))
+    with pytest.raises(autoflat.OptionError, match="went from 8 to 4 since the last call"):
+        step(4, w)

@@ -1675,9 +1675,10 @@ def test_review_cases_of_matching_by_value():
     """Cases where matching by value went wrong or now could (each at num_steps=4 against
     `jax.jit`, or the error that says what to declare):
 
-    - `return jax.value_and_grad(loss)(params, x)`: the gradients look like `params`; the
-      tuple is not unpacked without data flow saying so (no item's last operation takes
-      `params`'s own arrays): the nested-state error, not gradients carried as params;
+    - `return jax.value_and_grad(loss)(params, x)`: the gradients look like `params`; a
+      transformation's items are never a parameter's new value: a loss and gradients per
+      step, `params` the same every step, as `jax.jit` calls give (not gradients carried
+      as params, nor the nested-state error, which said `params` came back inside);
     - `(w, lr, b, x)` returning `w - lr * gw, lr * 0.5, b - lr * gb`: the carried `lr` takes
       position 1, `b` its place at 2 (it was looked for at 1 and left broadcast);
     - `(w, lr, x)` returning `w - lr * g, 0`: a constant `0` is not a new value of a float
@@ -1693,8 +1694,9 @@ def test_review_cases_of_matching_by_value():
     def grad_step(params, x):
         return jax.value_and_grad(loss_fn)(params, x)
 
-    with pytest.raises(autoflat.OptionError, match=r"comes back inside return position 0"):
-        autoflat.step(grad_step, num_steps=K)({"w": jnp.arange(3.0)}, jnp.ones((K, 3)))
+    got = autoflat.step(grad_step, num_steps=K)({"w": jnp.arange(3.0)}, jnp.ones((K, 3)))
+    want = jax.jit(grad_step)({"w": jnp.arange(3.0)}, jnp.ones(3))
+    tree_allclose(autoflat.unwrap(got), jax.tree.map(lambda a: jnp.stack([a] * K), want))
 
     def decaying(w, lr, b, x):
         gw, gb = jax.grad(lambda w, b: jnp.sum((w * x + b - 1.0) ** 2), argnums=(0, 1))(w, b)
@@ -3634,7 +3636,7 @@ def lbfgs_step(carry):
 
 def _halving(carry):
     w, n = carry
-    return w * 0.5, n + 1
+    return w - 0.5 * w, n + 1
 
 
 @claim(
@@ -3662,6 +3664,54 @@ def test_a_whole_return_that_is_one_tuple_argument_s_new_value_is_carried(fn):
     tree_allclose(autoflat.unwrap(got), want, rtol=1e-5)
 
 
+def _hyper(hp, x):  # a tuple of scalars beside metrics made with them
+    lr, wd = hp
+    loss = jnp.sum(x**2)
+    return lr * loss, wd * loss
+
+
+def _grads(models, x):  # gradients taken at the tuple's items
+    actor, critic = models
+    return jax.grad(lambda a: jnp.sum((a * x) ** 2))(actor), jax.grad(
+        lambda c: jnp.sum(jnp.sin(c * x))
+    )(critic)
+
+
+def _standardised(stats, x):  # made with the statistics, no update of them
+    mu, sd = stats
+    z = (x - mu) / sd
+    return z, z * sd + mu
+
+
+def _swapped_grads(state, x):  # the optimizer state beside gradients, not params
+    params, opt_state = state
+    g = jax.grad(lambda p: jnp.sum((p * x - 1.0) ** 2))(params)
+    _, opt_state = optax.sgd(0.1, momentum=0.9).update(g, opt_state, params)
+    return g, opt_state
+
+
+@pytest.mark.parametrize("fn", [_hyper, _grads, _standardised, _swapped_grads])
+def test_a_return_alike_a_tuple_argument_s_items_that_updates_none_is_not_its_new_value(fn):
+    """Items that have the tuple's abstract values but are no update of them (metrics made
+    with hyperparameters, gradients, standardised data) are not its new value: at
+    num_steps=4 the tuple is not carried (asked about, or broadcast as before), never
+    silently fed the outputs."""
+    first = {
+        _hyper: (jnp.float32(0.1), jnp.float32(0.01)),
+        _grads: (jnp.ones(3), jnp.ones(3)),
+        _standardised: (jnp.zeros(3), jnp.ones(3)),
+        _swapped_grads: (jnp.ones(3), optax.sgd(0.1, momentum=0.9).init(jnp.ones(3))),
+    }[fn]
+    xs = jax.random.normal(jax.random.key(0), (4, 3))
+    step = autoflat.step(fn, num_steps=4)
+    try:
+        step(first, xs)
+    except autoflat.OptionError:
+        return  # (asked, as before)
+    assert "the whole return" not in autoflat.show(step)
+    assert not autoflat.show(step).splitlines()[2].split(": ", 1)[1].startswith("state")
+
+
 def test_a_whole_return_with_another_argument_given_back_is_not_one_carry():
     """Two tuple arguments alike: no one of them is the whole return; asked as before."""
 
@@ -3670,3 +3720,33 @@ def test_a_whole_return_with_another_argument_given_back_is_not_one_carry():
 
     with pytest.raises(autoflat.OptionError, match="come back one by one"):
         autoflat.step(two, num_steps=4)((jnp.ones(3), jnp.zeros(())), (jnp.ones(3), jnp.zeros(())))
+
+
+def _square_loss(p, x):
+    return jnp.sum(p["w"] ** 2 * x) + jnp.sum(p["s"] ** 2) * x[0]
+
+
+def _value_and_grads(params, x):
+    return jax.value_and_grad(_square_loss)(params, x)
+
+
+def _both_grads(w, s, x):
+    return jax.grad(lambda w, s: _square_loss({"w": w, "s": s}, x), argnums=(0, 1))(w, s)
+
+
+@claim(
+    "docs/roles.md",
+    "and so does `return jax.value_and_grad(loss_fn)(params, x)`, whose items are never a parameter's new value.",
+)
+@pytest.mark.parametrize("fn", [_value_and_grads, _both_grads])
+def test_a_step_returning_a_transformation_s_call_gives_gradients_not_state(fn):
+    """`return jax.value_and_grad(loss)(params, x)` at num_steps=4: a loss and gradients per
+    step, the parameters the same every step, as four `jax.jit` calls give. The gradient of
+    `p ** 2` is made by an operation taking `p`'s own array, which carried `params` as its
+    gradients (silently) or asked for a rewrite."""
+    params = {"w": jnp.ones(3), "s": jnp.ones(2)}
+    start = (params,) if fn is _value_and_grads else (params["w"], params["s"])
+    xs = jax.random.normal(jax.random.key(0), (4, 3))
+    got = autoflat.step(fn, num_steps=4)(*start, xs)
+    want = [jax.jit(fn)(*start, x) for x in xs]
+    tree_allclose(autoflat.unwrap(got), jax.tree.map(lambda *a: jnp.stack(a), *want))

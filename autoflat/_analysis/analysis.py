@@ -175,6 +175,7 @@ def _describe_return(
         "single",
         (value.value if isinstance(value, cst.Name) else None,),
         gradients=((0, tuple(sorted(of))),) if of else (),
+        derivative=isinstance(value, cst.Call) and reading.derivative(value) is not None,
     )
 
 

@@ -45,6 +45,9 @@ class Return:
     # their own (`names` lists them in order) and the result is built back as written
     # (`nested`). None: no tuple is looked into.
     nest: tuple[Any, ...] | None = None
+    # A single return of a transformation's call (`return jax.value_and_grad(f)(params, x)`):
+    # the items of what it gives are a value and gradients, never a parameter's new value.
+    derivative: bool = False
 
     def describe(self) -> str:
         if self.kind == "none":

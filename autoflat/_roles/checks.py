@@ -150,9 +150,10 @@ def _refuse_carried_readings(run: Run, first: Return) -> None:
     assert outputs
     flow = run.flow_of(first)
     given = run.given_back(counters=False)
-    refuse_nested_state(
-        analysis, values, run.pending, given, run.open_positions, outputs, num_steps, flow
-    )
+    if not first.derivative:  # (`return jax.value_and_grad(f)(params, x)`: gradients inside)
+        refuse_nested_state(
+            analysis, values, run.pending, given, run.open_positions, outputs, num_steps, flow
+        )
     refuse_spread_state(
         analysis, values, run.pending, {**run.returned_at, **run.given_back()}, outputs, num_steps
     )

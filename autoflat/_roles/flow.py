@@ -370,7 +370,9 @@ def _operation(eqn: Any, got: list[_Var], last: frozenset[str] | None) -> list[_
         # `wd * reg` weighs `wd`, it does not update it; `w * jnp.exp(-eta * losses)` does)
         operands = [x for x in operands if _own_leaf(x) == scaled]
     direct = frozenset(own for x in operands if (own := _own_leaf(x)) is not None)
-    if through:  # (a cast, a reshape or a sharding constraint of `p + u` still takes `p`)
+    if name == "sharding_constraint" and len(ins) == 1:
+        # (`eqx.filter_shard(p + u, ...)` still takes `p`; not a cast or a reshape: a residual
+        # `(pred - target).astype(bf16)` or a bfloat16 gradient cast back takes no new value)
         direct |= ins[0][1].direct
     out = _Var(
         _NONE.union(*(x.sources for _, x in ins)),
@@ -593,7 +595,8 @@ def _size(aval: Any) -> int:
 
 # Operations that pass a value through (a cast, a copy, a reshape, a sharding constraint:
 # `jax.lax.with_sharding_constraint`, `eqx.filter_shard`): what they make is still the
-# parameter's own leaf for `flows`.
+# parameter's own leaf for `flows`; a sharding constraint also takes what the operation under
+# it takes (`_operation`).
 _PASS_THROUGH = frozenset(
     {
         "convert_element_type",

@@ -67,7 +67,7 @@ from . import matching as _matching
 from . import names as _names
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
 from .checks import check_matches, check_state_positions
-from .flow import Flow, flows, flows_traced
+from .flow import Flow, flows, flows_traced, scalar_container
 from .hazards import (
     check_returned_as_it_came_per_step,
     check_sliced_fails,
@@ -77,7 +77,7 @@ from .hazards import (
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
-from .nesting import computed_from, held_object, looked_into
+from .nesting import held_object, looked_into
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -396,12 +396,18 @@ class Inference:
         self.pending = [p for p in self.pending if p not in self.matched]
         self.open_positions = [pos for pos in self.open_positions if pos not in partly.values()]
         counters, by_value = self._settle(first, outputs, self.open_positions, numbers)
-        if not (counters or by_value) and first.kind == "single" and _matching.unpackable(out):
+        if (
+            not (counters or by_value)
+            and first.kind == "single"
+            and not first.derivative
+            and _matching.unpackable(out)
+        ):
             # `return update(params, opt_state, batch)`, `return {"params": ..., ...}`: no
             # parameter is the whole value, so its items may be the return positions, as if
             # the step returned them one by one; only where the step's data flow says so
             # (some item's last operation takes its parameter's own arrays, `p + u`), not for
-            # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params.
+            # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params
+            # (and whose last operation may take them: the gradient of `p ** 2`).
             each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out), gradients=())
             if isinstance(out, dict):  # its keys sorted, as `jax.jit` returns the dict
                 keys = tuple(sorted(out))
@@ -425,10 +431,12 @@ class Inference:
         self.outputs = outputs
 
     def whole_return(self) -> None:
-        """`def step(carry): w, n = carry; return w * 0.5, n + 1`, a `lax.fori_loop` body: with
-        num_steps > 1, where nothing else is given back and one tuple argument's items are the
-        return positions one by one, in order, each computed from it, the whole return is its
-        new value (as `return (w * 0.5, n + 1)`), carried as `jax.jit` callers pass it back."""
+        """`def step(carry): w, n = carry; return w - 0.1 * w, n + 1`, a `lax.fori_loop` body:
+        with num_steps > 1, where nothing else is given back and one tuple argument's items are
+        the return positions one by one, in order, each an update of its own (`params +
+        updates`, an optimizer's new state), the whole return is its new value
+        (as `return (w - 0.1 * w, n + 1)`), carried as `jax.jit` callers pass it back. Not a
+        tuple of scalars (`lr, wd = hp; return lr * loss, wd * loss`) nor gradients."""
         first, outputs = self.first, self.outputs
         if (
             self.num_steps == 1
@@ -446,12 +454,24 @@ class Inference:
             return
         p = tuples[0]
         items = held_object(self.values[p])
+        if len(items) != arity or scalar_container(items) or self.gradients():
+            return  # (hyperparameters `(lr, wd)` beside metrics; gradients)
         flow = self.flow_of(first)()
-        if len(items) != arity or not all(
-            same_value(item, out) and (not jax.tree_util.tree_leaves(item) or computed_from(f, p))
-            for item, out, f in zip(items, outputs, flow, strict=True)
+
+        def updated(q: int, item: Any) -> bool:
+            """An update of the item: an addition whose first operand is its own array
+            (`params + updates`, `count + 1`), or a tree with named parts computed from it (an
+            optimizer's state)."""
+            if not jax.tree_util.tree_leaves(item) or self.new_value_of(p, q, True):
+                return True
+            return has_named_parts(item) and p in flow[q].sources
+
+        if not all(
+            same_value(item, out) and updated(q, item)
+            for q, (item, out) in enumerate(zip(items, outputs, strict=True))
         ):
             return
+        self._added = None  # (read at the tuple's positions)
         self.whole = True
         self.first = dataclasses.replace(first, kind="single", names=(None,), gradients=())
         self.matched[p] = (0, "the whole return: its items are the tuple's, one by one")

@@ -211,7 +211,7 @@ def refuse_spread_flat(
                     if q not in taken_back
                     and q not in taken
                     and same_value(item, outputs[q])
-                    and (empty or computed_from(flows[q], p))
+                    and (empty or _computed_from(flows[q], p))
                 ),
                 None,
             )
@@ -229,7 +229,7 @@ def refuse_spread_flat(
             )  # fmt: skip
 
 
-def computed_from(flow: Flow, param: str) -> bool:
+def _computed_from(flow: Flow, param: str) -> bool:
     """Whether every leaf of a return position is computed from `param` other than
     through reductions alone (and there is one)."""
     return bool(flow.smooth) and all(param in sources for sources in flow.smooth)

@@ -13,8 +13,8 @@ shapes the argument had (the value it could be the new one of).
 
 A step counter passed as a Python int is the other such reading: static at num_steps > 1,
 the same for every step of a call, where k calls of the step under `jax.jit` see k values.
-The next call shows it: the int has grown by num_steps (`step(t, ...)` in a loop over
-`range(0, n, num_steps)`), and `refuse` raises, naming per-step indices.
+The next call shows it: the int has grown or shrunk by num_steps (`step(t, ...)` in a loop
+over `range(0, n, num_steps)`, a countdown), and `refuse` raises, naming per-step indices.
 
 Only the first `CHECKED_CALLS` calls of a program are recorded: a carry is passed back from
 the second call on, and later calls pay nothing.
@@ -82,8 +82,9 @@ class FedBack:
         whose one step's value has the shapes that argument had then."""
         if program is not self._program:
             return
+        k = step.num_steps
         for i, before in self._numbers.items():
-            if type(args[i]) is int and args[i] - before == step.num_steps:
+            if k > 1 and type(args[i]) is int and abs(args[i] - before) == k:
                 _counter(step, program.roles.params[i], before, args[i])
         last = self._last
         if not last:
@@ -128,5 +129,5 @@ def _counter(step: Any, param: str, before: int, now: int) -> None:
         before=before,
         now=now,
         num_steps=k,
-        last=before + k - 1,
+        last=before + k - 1 if now > before else before - k + 1,
     )

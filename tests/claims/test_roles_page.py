@@ -1939,7 +1939,7 @@ def _jitted_helper(w, m, x):
 
 @claim(
     PAGE,
-    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers and through casts, reshapes and sharding constraints,",
+    "the last operation making the position takes its array or its array times a constant (`w - lr * g`, `step + 1`, `mn = 0.9 * m + 0.1 * g` as Adam keeps its moments; the step's data flow, read into `jax.jit`-ed helpers and through sharding constraints,",
 )
 @claim(
     PAGE,
@@ -3480,7 +3480,7 @@ def _models_as_one(*models):
 
 @claim(
     PAGE,
-    "so is one whose items come back one by one at positions of the returned tuple itself, each computed from it other than through reductions alone (`return a * 0.5, b + a.sum(), loss` for `a, b = models`; not a loss and a metric computed with it, and not a tuple of scalars), which asks for them as one tuple, `return (a * 0.5, b + a.sum()), loss`, or parameters of their own.",
+    "so is one whose items come back one by one at positions of the returned tuple itself, each computed from it other than through reductions alone (`return a * 0.5, b + a.sum(), loss` for `a, b = models`; not a loss and a metric computed with it, and not a tuple of scalars), which asks for them as one tuple, `return (a * 0.5, b + a.sum()), loss`, or parameters of their own",
 )
 def test_tuple_state_spread_over_flat_positions_asks():
     with pytest.raises(autoflat.OptionError, match="come back one by one at return positions 0, 1"):
@@ -3794,7 +3794,7 @@ def test_the_example_of_what_comes_back():
 )
 @claim(
     PAGE,
-    'The next call shows it: a Python int grown by `num_steps` since the last call is an `autoflat.OptionError` that names per-step indices, `jnp.arange(i, i + num_steps)` (a leading axis of `num_steps`: per-step, traced, one compile), and `broadcast="i"` or `static_argnames="i"` for one value a call.',
+    'The next call shows it: a Python int grown or shrunk by `num_steps` since the last call is an `autoflat.OptionError` that names per-step indices, `jnp.arange(i, i + num_steps)` (a leading axis of `num_steps`: per-step, traced, one compile), and `broadcast="i"` or `static_argnames="i"` for one value a call.',
 )
 def test_pattern_example_libraries_optimizer():
     from jax.example_libraries import optimizers
