@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from claims.claim import claim
 from helpers import tree_allclose
 
 import autoflat
@@ -172,6 +173,7 @@ def _noisy(i, w):  # (jax's examples/advi.py: a key made from the step index)
     return w + jax.random.normal(jax.random.key(i), ())
 
 
+@claim("docs/faq.md", "a step counter passed that way is refused at the next call")
 def test_a_python_int_grown_by_num_steps_is_a_step_counter_and_asked_about():
     """Static, a Python int is the same for each step of a call; grown by num_steps at the
     next call, it is a step counter: an `OptionError` naming per-step indices, which give

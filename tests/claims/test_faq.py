@@ -600,7 +600,7 @@ def _sgd_lr(w, x, lr):
 
 @claim(
     FAQ,
-    "so are Python numbers passed as arguments when `num_steps > 1`. A Python float learning rate passed that way compiles a new version for every value.",
+    "so are Python numbers passed as arguments when `num_steps > 1`. A Python float learning rate passed that way compiles a new version for every value;",
 )
 @claim(
     FAQ,
