@@ -3750,3 +3750,24 @@ def test_a_step_returning_a_transformation_s_call_gives_gradients_not_state(fn):
     got = autoflat.step(fn, num_steps=4)(*start, xs)
     want = [jax.jit(fn)(*start, x) for x in xs]
     tree_allclose(autoflat.unwrap(got), jax.tree.map(lambda *a: jnp.stack(a), *want))
+
+
+def test_a_leading_axis_question_quotes_the_step_s_own_failure():
+    """A step that fails for its own reasons (`lax.pmean` with no `pmap` around it) with a
+    state of mixed leading axes (a bias of num_steps entries beside a Python int): the
+    question about the argument's role also quotes the step's error, which no role mends."""
+    from flax.training import train_state
+
+    def step(state, x):
+        grads = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(state.params)
+        grads = jax.lax.pmean(grads, axis_name="batch")
+        return state.apply_gradients(grads=grads), jnp.sum(x)
+
+    params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(step, num_steps=4)(state, jnp.zeros((4, 2, 3)))
+    message = str(info.value)
+    assert "some array leaves of `state` have a leading axis of 4" in message
+    assert "raised NameError: Found an unbound axis name: batch" in message
+    assert "no role mends it" in message

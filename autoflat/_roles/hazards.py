@@ -374,12 +374,22 @@ def raise_leading_axis_errors(
     cause: BaseException | None,
 ) -> None:
     """Raise the first leading-axis error of an argument that is not state: mixed leading
-    axes, or a short first chunk."""
+    axes, or a short first chunk. Where the step failed to evaluate (`cause`), the message
+    quotes that error too: it may be the step's own, which no role mends (`lax.pmean` with
+    no `pmap` around the step)."""
     found = next((deferred[p] for p in kinds if p in deferred), None)
     if found is None and num_steps > 1:
         found = _short_first_chunk(analysis, kinds, values, num_steps, options)
-    if found is not None:
-        raise found from cause
+    if found is None:
+        return
+    if cause is not None:
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        found = type(found)(
+            f"{found}\nOne step, evaluated with it as the same for every step, raised "
+            f"{type(cause).__name__}: {first} (the error above this one). If that is the "
+            "step's own error, no role mends it: fix the step."
+        )
+    raise found from cause
 
 
 def _short_first_chunk(
