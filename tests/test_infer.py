@@ -3641,7 +3641,7 @@ def _halving(carry):
 
 @claim(
     "docs/roles.md",
-    "but where they are the whole return, in order, and nothing else comes back (`def step(carry): params, state = carry; ...; return params, state`, a `lax.fori_loop` body as optax's L-BFGS example writes it), the whole return is its new value: carried, and returned as one tuple, as `jax.jit` callers pass it back, shown as `state (the whole return: ...)`.",
+    "but where they are the whole return, in order, each an update of its own (`params + updates`, an optimizer's new state), and nothing else comes back (`def step(carry): params, state = carry; ...; return params, state`, a `lax.fori_loop` body as optax's L-BFGS example writes it), the whole return is its new value: carried, and returned as one tuple, as `jax.jit` callers pass it back, shown as `state (the whole return: ...)`.",
 )
 @pytest.mark.parametrize("fn", [lbfgs_step, _halving])
 def test_a_whole_return_that_is_one_tuple_argument_s_new_value_is_carried(fn):
