@@ -62,6 +62,7 @@ def test_fresh_per_step_data_and_copies_run_and_per_step_says_so():
     state = _start()
     for start in (0, K):
         *_, ret, _ = step(*state[:2], jnp.arange(float(K)), xs[start : start + K])
+    step(*state[:2], ret + 0.0, xs[:K])  # a copy of what came back: told apart by identity
     said = autoflat.step(_running, num_steps=K, per_step="ret")
     params, opt_state, ret = _start()
     got_params, got_opt, got_ret, _ = said(params, opt_state, jnp.zeros((K, K)), xs[:K])
