@@ -36,6 +36,9 @@ What this module relies on:
   `SingleDeviceSharding` name, which older JAX without them still has).
 - `jax.sharding.AxisType.Explicit` and `Mesh.axis_types` (`EXPLICIT_AXIS`, `axis_types`:
   JAX's sharding in types; absent on JAX 0.4).
+- The code of JAX's traceback filter around what a transformation returns,
+  `reraise_with_filtered_traceback` in `jax/_src/traceback_util.py` (`is_transformed`: the
+  name a refused wrapper is given; only a message depends on it).
 - A `jax.jit` function's type name `PjitFunction` and its `_jit_info` (`is_jax_jit`,
   `jit_info`: JAX 0.5 and later expose it), and `PartitionSpec`'s `unreduced` and
   `reduced` (`spec_extras`: newer JAX only).
@@ -401,6 +404,17 @@ def axis_types(mesh: Any) -> dict[str, Any]:
 def is_jax_jit(fn: Any) -> bool:
     """Whether `fn` is a `jax.jit`-ed function."""
     return type(fn).__name__ == "PjitFunction" and hasattr(fn, "lower")
+
+
+def is_transformed(fn: Any) -> bool:
+    """Whether `fn` is what a JAX transformation returns (`jax.grad(f)`, `jax.vmap(f)`): JAX
+    wraps those in its traceback filter, whose code is its own, not the transformation's."""
+    code = getattr(fn, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "reraise_with_filtered_traceback"
+        and code.co_filename.replace("\\", "/").endswith("jax/_src/traceback_util.py")
+    )
 
 
 def jit_info(fn: Any) -> Any:

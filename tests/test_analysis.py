@@ -70,6 +70,10 @@ def test_roles_explicit_override():
     assert roles.layout.entries == (("state", 0), ("out", 0), ("out", 1))
 
 
+def _square_sum(w):
+    return jnp.sum(w**2)
+
+
 def test_jit_wrappers_are_unwrapped_and_other_wrappers_refused():
     assert analyse(jax.jit(functional)).name == "functional"
 
@@ -85,6 +89,9 @@ def test_jit_wrappers_are_unwrapped_and_other_wrappers_refused():
         autoflat.step(deco(functional))
     with pytest.raises(autoflat.SourceError, match="wrapped by `.*` under"):
         autoflat.step(jax.vmap(functional))
+    # A transformation's function is named as such, not by JAX's traceback filter.
+    with pytest.raises(autoflat.SourceError, match=r"wrapped by `a JAX transformation \(jax"):
+        autoflat.step(jax.grad(_square_sum))
     # Shardings would be dropped: refused, naming them (where JAX exposes them). Static
     # arguments and donation are taken over (test_step).
     if hasattr(jax.jit(functional), "_jit_info"):

@@ -296,6 +296,14 @@ def test_jit_wrappers():
     assert _jax.jit_info(lambda x: x) is None
 
 
+def test_transformed_functions():
+    def f(x):
+        return x * 2.0
+
+    assert _jax.is_transformed(jax.grad(f)) and _jax.is_transformed(jax.vmap(f))
+    assert not _jax.is_transformed(f) and not _jax.is_transformed(jax.jit(f))
+
+
 def test_spec_extras():
     P = jax.sharding.PartitionSpec
     assert _jax.spec_extras(P("x", None)) == {}

@@ -200,6 +200,8 @@ def _jit_options(fn: Any, kind: str = "") -> str:
 
 def _wrapper_name(fn: Any) -> str:
     """A wrapper's own name (`functools.wraps` copies the wrapped function's onto it)."""
+    if _jax.is_transformed(fn):
+        return "a JAX transformation (jax.grad, jax.vmap, ...)"
     code = getattr(fn, "__code__", None)
     if code is not None:
         return f"{code.co_qualname} ({where(code.co_filename, code.co_firstlineno)})"
