@@ -35,7 +35,8 @@ CHECKED_CALLS = 2
 
 
 class FedBack:
-    """What a step's last call returned as per-step outputs, while its program is new."""
+    """What a step's last call returned as per-step outputs, and the static Python ints it
+    took, while its program is new."""
 
     __slots__ = ("_last", "_shapes", "_numbers", "_program", "_left")
 
@@ -50,8 +51,9 @@ class FedBack:
         self._left = 0
 
     def remember(self, program: Any, args: tuple[Any, ...], outputs: Any) -> None:
-        """After a call: its per-step outputs, where the program reads an argument as per-step
-        by its shapes (else nothing could be passed back there), and those arguments' shapes."""
+        """After a call: its static Python ints; its per-step outputs, where the program reads
+        an argument as per-step by its shapes (else nothing could be passed back there), and
+        those arguments' shapes."""
         if program is not self._program:
             self._program, self._left = program, CHECKED_CALLS
         self._last, self._numbers = {}, {}
@@ -77,9 +79,10 @@ class FedBack:
         self._last, self._shapes = last, (out_shapes, arg_shapes)
 
     def refuse(self, step: Any, program: Any, args: tuple[Any, ...]) -> None:
-        """Before a call takes anything: raise a `ShapeError` where an argument read as
-        per-step by its shapes holds an array the last call returned as a per-step output
-        whose one step's value has the shapes that argument had then."""
+        """Before a call takes anything: raise an `OptionError` where a static Python int
+        moved by num_steps since the last call (a step counter), and a `ShapeError` where an
+        argument read as per-step by its shapes holds an array the last call returned as a
+        per-step output whose one step's value has the shapes that argument had then."""
         if program is not self._program:
             return
         k = step.num_steps
