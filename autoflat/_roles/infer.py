@@ -67,7 +67,7 @@ from . import matching as _matching
 from . import names as _names
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
 from .checks import check_matches, check_state_positions
-from .flow import Flow, flows, flows_traced, scalar_container
+from .flow import Flow, flows, flows_traced
 from .hazards import (
     check_returned_as_it_came_per_step,
     check_sliced_fails,
@@ -77,7 +77,7 @@ from .hazards import (
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
-from .nesting import held_object, looked_into
+from .nesting import looked_into, whole_carry
 from .options import Options, Role
 from .roles import Roles, assign_roles
 from .rules import (
@@ -431,45 +431,19 @@ class Inference:
         self.outputs = outputs
 
     def whole_return(self) -> None:
-        """`def step(carry): w, n = carry; return w - 0.1 * w, n + 1`, a `lax.fori_loop` body:
-        with num_steps > 1, where nothing else is given back and one tuple argument's items are
-        the return positions one by one, in order, each an update of its own (`params +
-        updates`, an optimizer's new state), the whole return is its new value
-        (as `return (w - 0.1 * w, n + 1)`), carried as `jax.jit` callers pass it back. Not a
-        tuple of scalars (`lr, wd = hp; return lr * loss, wd * loss`) nor gradients."""
+        """With num_steps > 1, where nothing else is given back: a tuple argument the whole
+        return gives back item by item (`nesting.whole_carry`) is state at the one position
+        that return becomes (`return (params, state)`), as `jax.jit` callers pass it back."""
         first, outputs = self.first, self.outputs
-        if (
-            self.num_steps == 1
-            or first is None
-            or first.kind != "tuple"
-            or first.nest is not None
-            or not outputs
-            or self.given_back()
-            or self.returned_at
-        ):
+        if first is None or not outputs or self.num_steps == 1:
             return
-        arity = len(outputs)
-        tuples = [p for p in self.pending if type(held_object(self.values[p])) is tuple]
-        if len(tuples) != 1 or arity < 2:
+        if self.given_back() or self.returned_at or self.gradients():
             return
-        p = tuples[0]
-        items = held_object(self.values[p])
-        if len(items) != arity or scalar_container(items) or self.gradients():
-            return  # (hyperparameters `(lr, wd)` beside metrics; gradients)
-        flow = self.flow_of(first)()
-
-        def updated(q: int, item: Any) -> bool:
-            """An update of the item: an addition whose first operand is its own array
-            (`params + updates`, `count + 1`), or a tree with named parts computed from it (an
-            optimizer's state)."""
-            if not jax.tree_util.tree_leaves(item) or self.new_value_of(p, q, True):
-                return True
-            return has_named_parts(item) and p in flow[q].sources
-
-        if not all(
-            same_value(item, out) and updated(q, item)
-            for q, (item, out) in enumerate(zip(items, outputs, strict=True))
-        ):
+        p = whole_carry(
+            self.values, self.pending, first, outputs, self.flow_of(first),
+            lambda p, q: self.new_value_of(p, q, True),
+        )  # fmt: skip
+        if p is None:
             return
         self._added = None  # (read at the tuple's positions)
         self.whole = True

@@ -10,6 +10,11 @@ written tuple's length, whose items have the abstract values of the parameters n
 argument named there counts as one step's slice. A tuple naming a parameter that does not
 look per-step (`(params, new_ema)`) is always looked into: names decide before abstract
 values.
+
+The other way round, a tuple argument whose items the whole return gives back one by one,
+each an update of its own, is given back by the whole return (`whole_carry`: a
+`lax.fori_loop` body, `return params, state` for `carry`); elsewhere, such items spread
+over the return are refused (`refuse_spread_flat`, `refuse_spread_state`).
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import jax
 import numpy as np
 
 from .._analysis.analysis import Analysis
-from .._analysis.returns import renested
+from .._analysis.returns import Return, renested
 from .._errors import STATE_SPREAD, STATE_SPREAD_FLAT, OptionError, error
 from .._handles.lazy import LazyHandle
 from .abstract import same_value
 from .flow import Flow, scalar_container
+from .state_hazards import has_named_parts
 
 _ANY = object()  # an item written as an expression: any value fits it
 
@@ -261,3 +267,43 @@ def _groups(nest: tuple[Any, ...], paths: list[str]) -> list[tuple[str, list[int
 
     walk(nest, "")
     return found
+
+
+def whole_carry(
+    values: dict[str, Any],
+    pending: list[str],
+    first: Return | None,
+    outputs: list[Any] | None,
+    flow: Callable[[], list[Flow]],
+    added_to: Callable[[str, int], bool],
+) -> str | None:
+    """`def step(carry): params, state = carry; ...; return params, state`, a `lax.fori_loop`
+    body: the one tuple argument among `pending` (not of scalars only) whose items are the
+    flat tuple return's positions, in order, each an update of its own: an addition whose
+    first operand is its own array (`added_to`: `params + updates`, `count + 1`), or a tree
+    with named parts computed from it (an optimizer's state). Not metrics made with a tuple
+    of hyperparameters, gradients, or data standardised with a tuple of statistics."""
+    if first is None or first.kind != "tuple" or first.nest is not None or not outputs:
+        return None
+    tuples = [p for p in pending if type(held_object(values[p])) is tuple]
+    if len(tuples) != 1 or len(outputs) < 2:
+        return None
+    p = tuples[0]
+    items = held_object(values[p])
+    if len(items) != len(outputs) or scalar_container(items):
+        return None
+    flows: list[Flow] = []
+
+    def updated(q: int, item: Any) -> bool:
+        if not jax.tree_util.tree_leaves(item) or added_to(p, q):
+            return True
+        if not flows:
+            flows.extend(flow())
+        return has_named_parts(item) and p in flows[q].sources
+
+    if all(
+        same_value(item, out) and updated(q, item)
+        for q, (item, out) in enumerate(zip(items, outputs, strict=True))
+    ):
+        return p
+    return None

@@ -56,10 +56,12 @@ class FedBack:
         those arguments' shapes."""
         if program is not self._program:
             self._program, self._left = program, CHECKED_CALLS
-        self._last, self._numbers = {}, {}
-        if self._left <= 0:
+        if self._left <= 0:  # (past the first calls: nothing recorded, nothing made)
+            if self._last or self._numbers:
+                self._last, self._numbers = {}, {}
             return
         self._left -= 1
+        self._last = {}
         self._numbers = {i: args[i] for i in program.static_numbers if type(args[i]) is int}
         if not (program.by_shape_scanned and outputs):
             return
