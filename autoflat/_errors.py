@@ -306,11 +306,11 @@ chunk. Say which it is:
 
 PER_STEP_FED_BACK = """\
 Calling `{name}` ({where}) with num_steps={num_steps}: `{param}` holds what {at} gave back \
-last call, passed in again. `{param}` was read as a per-step input by its shapes at the first \
-call (a leading axis of {num_steps} = num_steps), so the last call gave each step one row of \
-it and stacked what each step gave back there, a value of `{param}`'s own shapes. If \
+at an earlier call, passed in again. `{param}` was read as a per-step input by its shapes at \
+the first call (a leading axis of {num_steps} = num_steps), so that call gave each step one \
+row of it and stacked what each step gave back there, a value of `{param}`'s own shapes. If \
 `{param}` is carried from step to step (an episode return per environment, a recurrent state, \
-running statistics), that reading was wrong: the last call's results, its new state too, are \
+running statistics), that reading was wrong: that call's results, its new state too, are \
 not what the step carried gives. Carry it, and start again from a state made before that call:
 
     @autoflat.step(num_steps={num_steps}, {option})   # carried from step to step

@@ -16,6 +16,7 @@ from claims.claim import claim
 from helpers import tree_allclose
 
 import autoflat
+from autoflat._runtime import fed_back
 
 K = 4
 
@@ -135,7 +136,7 @@ def test_a_returned_dict_names_its_key_and_the_option_that_carries_it():
     out = step(jnp.full((3, 2), 0.1), jnp.zeros(K), xs[:K])
     with pytest.raises(autoflat.ShapeError) as info:
         step(out["w"], out["episode"], xs[K:])
-    assert "`ret` holds what the returned key 'episode' gave back last call" in str(info.value)
+    assert "`ret` holds what the returned key 'episode' gave back at an earlier call" in str(info.value)
     assert 'num_steps=4, state="ret")' in str(info.value)
     fixed = autoflat.step(_running_dict, num_steps=K, state="ret")
     got = {"w": jnp.full((3, 2), 0.1), "episode": jnp.zeros(K)}
@@ -148,17 +149,31 @@ def test_a_returned_dict_names_its_key_and_the_option_that_carries_it():
 
 
 def test_only_a_program_s_first_calls_are_recorded():
-    """Later calls pay nothing: what the third call returns is not recorded."""
+    """Later calls pay nothing: what the call after the checked ones returns is not
+    recorded."""
     xs = _xs(K)
     step = autoflat.step(_running, num_steps=K)
     state = _start()
-    for _ in range(3):
+    for _ in range(fed_back.CHECKED_CALLS + 1):
         *_, ret, _ = step(*state[:2], jnp.zeros(K), xs)
     step(*state[:2], ret, xs)  # (not refused: a carry shows at the second call)
     with pytest.raises(autoflat.ShapeError):
         fresh = autoflat.step(_running, num_steps=K)
         *_, ret, _ = fresh(*state[:2], jnp.zeros(K), xs)
         fresh(*state[:2], ret, xs)
+
+
+def test_two_streams_taking_turns_are_checked_each_against_its_own_last_call():
+    """Two agents trained by one step in turn: the second stream's call comes between a
+    stream's call and the next, which passes back its own carry."""
+    xs = _xs(K)
+    step = autoflat.step(_running, num_steps=K)
+    a, b = _start(), _start()
+    *a_state, a_ret, _ = step(*a[:2], jnp.zeros(K), xs)
+    *b_state, b_ret, _ = step(*b[:2], jnp.zeros(K), xs)
+    with pytest.raises(autoflat.ShapeError, match=re.escape('state={"ret": 2}')):
+        step(*a_state, a_ret, xs)
+    step(*a_state, jnp.zeros(K), xs)  # (a's state, not taken by the refusal)
 
 
 def test_profiling_keeps_what_the_last_call_returned():

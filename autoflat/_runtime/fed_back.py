@@ -16,8 +16,10 @@ the same for every step of a call, where k calls of the step under `jax.jit` see
 The next call shows it: the int has grown or shrunk by num_steps (`step(t, ...)` in a loop
 over `range(0, n, num_steps)`, a countdown), and `refuse` raises, naming per-step indices.
 
-Only the first `CHECKED_CALLS` calls of a program are recorded: a carry is passed back from
-the second call on, and later calls pay nothing.
+Only the first `CHECKED_CALLS` calls of a program are recorded, each call's per-step outputs
+added to those of the calls before it: a carry is passed back from the second call of its
+stream on, where two streams of calls (two agents trained by one step in turn, a method step
+on instances in turn) take turns, the call after the other stream's; later calls pay nothing.
 """
 
 from __future__ import annotations
@@ -30,18 +32,19 @@ import numpy as np
 
 from .._errors import COUNTER_BY_NUM_STEPS, PER_STEP_FED_BACK, OptionError, ShapeError, error
 
-# Calls of one program whose per-step outputs are recorded.
-CHECKED_CALLS = 2
+# Calls of one program whose per-step outputs are recorded (and the next one checked): up to
+# three streams of calls taking turns show a carry passed back.
+CHECKED_CALLS = 4
 
 
 class FedBack:
-    """What a step's last call returned as per-step outputs, and the static Python ints it
-    took, while its program is new."""
+    """What a step's calls returned as per-step outputs, and the static Python ints the last
+    one took, while its program is new."""
 
     __slots__ = ("_last", "_shapes", "_numbers", "_program", "_left")
 
     def __init__(self) -> None:
-        # id(array) -> (a weak reference to it, its output index)
+        # id(array) -> (a weak reference to it, its output index), over the recorded calls
         self._last: dict[int, tuple[weakref.ref[Any], int]] = {}
         # per output index, one step's shapes of its leaves; per parameter, its leaves' shapes
         self._shapes: tuple[dict[int, list[tuple[int, ...]]], dict[str, list[Any]]] = ({}, {})
@@ -55,17 +58,16 @@ class FedBack:
         an argument as per-step by its shapes (else nothing could be passed back there), and
         those arguments' shapes."""
         if program is not self._program:
-            self._program, self._left = program, CHECKED_CALLS
+            self._program, self._left, self._last = program, CHECKED_CALLS, {}
         if self._left <= 0:  # (past the first calls: nothing recorded, nothing made)
             if self._last or self._numbers:
                 self._last, self._numbers = {}, {}
             return
         self._left -= 1
-        self._last = {}
         self._numbers = {i: args[i] for i in program.static_numbers if type(args[i]) is int}
         if not (program.by_shape_scanned and outputs):
             return
-        last: dict[int, tuple[weakref.ref[Any], int]] = {}
+        last = {i: ref for i, ref in self._last.items() if ref[0]() is not None}
         out_shapes: dict[int, list[tuple[int, ...]]] = {}
         for j in range(len(program.out_positions)):
             leaves = jax.tree_util.tree_leaves(outputs[j])
@@ -84,7 +86,8 @@ class FedBack:
         """Before a call takes anything: raise an `OptionError` where a static Python int
         moved by num_steps since the last call (a step counter), and a `ShapeError` where an
         argument read as per-step by its shapes holds an array the last call returned as a
-        per-step output whose one step's value has the shapes that argument had then."""
+        per-step output (in one of the program's first calls) whose one step's value has the
+        shapes that argument had then."""
         if program is not self._program:
             return
         k = step.num_steps

@@ -3300,7 +3300,7 @@ def test_a_carry_of_num_steps_environments_updated_elementwise_needs_declaring()
     assert "[rule: leading-axis]" in autoflat.show(step).split("# ep_ret:")[1].splitlines()[0]
     with pytest.raises(autoflat.ShapeError) as info:
         step(gw, gr, obs[k:], rewards[k:], done[k:])
-    assert "`ep_ret` holds what return position 1 gave back last call" in str(info.value)
+    assert "`ep_ret` holds what return position 1 gave back at an earlier call" in str(info.value)
     assert 'state={"ep_ret": 1})' in str(info.value)
     assert not gw.is_deleted()  # nothing was taken: the state passed in is still usable
     step = autoflat.step(_episode_returns, num_steps=k, state="ep_ret")

@@ -1228,7 +1228,7 @@ def _sliced_carries():
 
 @claim(
     PAGE,
-    "and the next call passing back there an array the call before returned as a per-step output, one step's value of the argument's shapes (a carry that was sliced), is an `autoflat.ShapeError` that asks for `state=` or `per_step=` before taking anything",
+    "and a later call passing back there an array one of the step's first calls returned as a per-step output, one step's value of the argument's shapes (a carry that was sliced), is an `autoflat.ShapeError` that asks for `state=` or `per_step=` before taking anything",
 )
 @pytest.mark.parametrize("kind", ["ema", "recurrent", "haiku", "kendall"])
 def test_rule_11_a_per_step_output_passed_back_as_a_per_step_input_is_asked_about(kind):
@@ -1246,7 +1246,7 @@ def test_rule_11_a_per_step_output_passed_back_as_a_per_step_input_is_asked_abou
     with pytest.raises(autoflat.ShapeError) as info:
         step(w, c, xs[K:])
     message = str(info.value)
-    assert f"`{carry}` holds what return position 1 gave back last call" in message
+    assert f"`{carry}` holds what return position 1 gave back at an earlier call" in message
     assert f'state={{"{carry}": 1}})' in message and f'per_step="{carry}")' in message
     assert not w.is_deleted() and not c.is_deleted()
     fixed = autoflat.step(update, num_steps=K, state={carry: 1})
