@@ -136,7 +136,9 @@ def test_a_returned_dict_names_its_key_and_the_option_that_carries_it():
     out = step(jnp.full((3, 2), 0.1), jnp.zeros(K), xs[:K])
     with pytest.raises(autoflat.ShapeError) as info:
         step(out["w"], out["episode"], xs[K:])
-    assert "`ret` holds what the returned key 'episode' gave back at an earlier call" in str(info.value)
+    assert "`ret` holds what the returned key 'episode' gave back at an earlier call" in str(
+        info.value
+    )
     assert 'num_steps=4, state="ret")' in str(info.value)
     fixed = autoflat.step(_running_dict, num_steps=K, state="ret")
     got = {"w": jnp.full((3, 2), 0.1), "episode": jnp.zeros(K)}
