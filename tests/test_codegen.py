@@ -88,6 +88,37 @@ def test_plain_code_for_one_step_and_fallthrough():
     assert f"# counter: state (assigned into at line {bump.__code__.co_firstlineno + 1})" in src
 
 
+def _tally(counter, x):
+    counter["n"] = counter["n"] + x.sum()
+    return x * 2
+
+
+def test_a_return_that_calls_runs_before_state_is_flattened():
+    """`return f(counter, x)`: the call may change state in place, so the `return`'s
+    expressions are bound first, in the order written, and state is flattened after them."""
+
+    def count(counter, x):
+        counter["seen"] = counter["seen"] + 1
+        return _tally(counter, x), counter["n"] + 0
+
+    step = autoflat.step(count)
+    src = autoflat.show(step)
+    line = count.__code__.co_firstlineno + 2
+    assert src.split("# body of count ", 1)[1] == textwrap.dedent(
+        """\
+        (test_codegen.py:{a}-{b})
+                counter["seen"] = counter["seen"] + 1
+                _af_ret0, _af_ret1 = _tally(counter, x), counter["n"] + 0
+                return (_af_flatten(_af_spec, 0, counter),), (_af_ret0, _af_ret1)
+            return count
+        """
+    ).format(a=line - 1, b=line)
+    counter = {"n": jnp.float32(0.0), "seen": jnp.int32(0)}
+    doubled, n = step(counter, jnp.ones(3))
+    assert (float(counter["n"]), int(counter["seen"]), float(n)) == (3.0, 1, 3.0)
+    assert doubled.tolist() == [2.0, 2.0, 2.0]
+
+
 def test_names_avoid_collisions_with_user_names():
     _af_flatten = 1  # noqa: F841  (a local of this test, closed over below)
 

@@ -690,3 +690,72 @@ def test_tied_weights_are_not_copied_every_call_and_a_kept_one_stays_valid():
     _, ref_kept, ref_final = run(nnx.jit(tied_step), keep_at=5)
     np.testing.assert_allclose(kept, ref_kept, rtol=1e-6)
     np.testing.assert_allclose(final, ref_final, rtol=1e-5)
+
+
+class _CountedLinear(nnx.Module):
+    """A module that counts its calls in a Variable (as a BatchNorm's statistics change)."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 3, rngs=rngs)
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        self.calls[...] += 1
+        return self.linear(x)
+
+
+def _inner(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _train_through_a_helper(model, optimizer, x, y):
+    return _inner(model, optimizer, x, y)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_helper_called_in_the_return_updates_the_caller_s_objects(k):
+    """`return helper(model, optimizer, x, y)`: what the call changes in place reaches the
+    caller, as with `nnx.jit` (state was flattened before the call ran, and every step
+    restarted from the model passed in)."""
+    xs = jax.random.normal(jax.random.key(0), (8, 5, 4))
+    ys = jax.random.normal(jax.random.key(1), (8, 5, 3))
+
+    def fresh():
+        model = _CountedLinear(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    ref, got = fresh(), fresh()
+    ref_losses = [nnx.jit(_train_through_a_helper)(*ref, xs[i], ys[i]) for i in range(8)]
+    step = autoflat.step(_train_through_a_helper, num_steps=k)
+    chunk = (lambda a, i: a[i]) if k == 1 else (lambda a, i: a[i : i + k])
+    losses = [step(*got, chunk(xs, i), chunk(ys, i)) for i in range(0, 8, k)]
+    losses = [step_loss for chunk in losses for step_loss in jnp.atleast_1d(chunk)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    tree_allclose(nnx.state(got[0]), nnx.state(ref[0]), rtol=1e-5, atol=1e-6)
+    assert int(got[1].step[...]) == 8 and int(got[0].calls[...]) == 8
+
+
+class _Dropped(nnx.Module):
+    def __init__(self):
+        self.drop = nnx.Dropout(0.5)
+
+    def __call__(self, x, rngs):
+        return self.drop(x, rngs=rngs)
+
+
+def _forward_with_rngs(model, x, rngs):  # (Flax's randomness guide: `model(x, rngs=rngs)`)
+    return model(x, rngs=rngs)
+
+
+def test_rngs_advanced_by_a_call_in_the_return_advance_for_the_caller():
+    """Each call draws a new dropout mask, as under `nnx.jit`: the `nnx.Rngs` count the
+    call advances reaches the caller's object."""
+    got, ref = [], []
+    for f, out in ((autoflat.step(_forward_with_rngs), got), (nnx.jit(_forward_with_rngs), ref)):
+        rngs, model = nnx.Rngs(0), _Dropped()
+        out.extend(f(model, jnp.ones(16), rngs) for _ in range(3))
+        out.append(rngs.default.count[...])
+    tree_allclose(got, ref)
+    assert int(got[-1]) == 3 and not bool(jnp.all(got[0] == got[1]))

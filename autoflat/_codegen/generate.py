@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 import libcst.metadata as meta
 from libcst.helpers import (
     parse_template_expression,
@@ -255,6 +256,7 @@ class _Names:
     function: str
     step: str
     unpacked: tuple[str, ...]  # what a `return f(...)` is unpacked into (layout `unpacked`)
+    bound: tuple[str, ...]  # what a `return`'s calls are bound to before state is flattened
 
 
 def generate(
@@ -322,11 +324,13 @@ def _pick_names(
     # the module-level function or step): then it must not be shadowed by the generated one.
     function = namer(name) if name in analysis.free_names else name
     step = namer(f"{name}_step")
-    unpacked = (
-        tuple(namer(f"_af_ret{i}") for i in range(len(roles.layout.entries)))
-        if roles.layout.kind == "unpacked"
-        else ()
-    )
+    rets = max(len(roles.layout.entries), 1)
+    unpacked: tuple[str, ...] = ()
+    if roles.layout.kind == "unpacked":
+        unpacked = tuple(namer(f"_af_ret{i}") for i in range(rets))
+    bound = unpacked
+    if roles.state and not bound:
+        bound = tuple(namer(f"_af_ret{i}") for i in range(rets))
     return _Names(
         helpers=helpers,
         spec=spec,
@@ -340,6 +344,7 @@ def _pick_names(
         function=function,
         step=step,
         unpacked=unpacked,
+        bound=bound,
     )
 
 
@@ -394,10 +399,35 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
         )
         return cst.FlattenSentinel([unpack, _assemble(roles, names, list(targets), node)])
     returned = node.value if node is not None else None
+    elements: list[cst.BaseExpression]
     if roles.layout.whole and isinstance(returned, cst.Tuple):  # `return a, b` as one value
-        whole = returned.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-        return _assemble(roles, names, [whole], node)
-    return _assemble(roles, names, _elements(returned, roles.layout.nest), node)
+        elements = [returned.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])]
+    else:
+        elements = _elements(returned, roles.layout.nest)
+    if not any(m.findall(e, _CALL) for e in elements) or len(elements) > len(names.bound):
+        return _assemble(roles, names, elements, node)
+    # A call may change state in place (`return train(model, optimizer, x)`, an NNX module
+    # whose Variables it updates): the `return`'s expressions run first, in the order written,
+    # and state is flattened after them, as `jax.jit` flattens what the function returned.
+    temps: list[cst.BaseExpression] = [cst.Name(n) for n in names.bound[: len(elements)]]
+    target: cst.BaseAssignTargetExpression = cst.Name(names.bound[0])
+    value = elements[0]
+    if len(elements) > 1:
+        target, value = _bare(_tuple(temps)), _bare(_tuple(elements))
+    bind = cst.Assign(
+        targets=[cst.AssignTarget(target)],
+        value=value,
+        semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
+    )
+    return cst.FlattenSentinel([bind, _assemble(roles, names, temps, node)])
+
+
+_CALL = m.Call() | m.NamedExpr() | m.Await() | m.Yield()
+
+
+def _bare(t: cst.Tuple) -> cst.Tuple:
+    """A tuple without its parentheses (`a, b = ...`)."""
+    return t.with_changes(lpar=[], rpar=[])
 
 
 def _assemble(
