@@ -251,3 +251,38 @@ def test_a_countdown_by_num_steps_is_asked_about_too():
     w = step(8, jnp.zeros(()))
     with pytest.raises(autoflat.OptionError, match="went from 8 to 4 since the last call"):
         step(4, w)
+
+
+_opt = optax.adam(1e-2)
+
+
+@jax.jit
+def _lstm_loss(params, x, y):
+    return jnp.mean(jnp.square(x @ params["w"] - y))
+
+
+def _lstm_update(step, params, opt_state, x, y):  # (dm-haiku examples/haiku_lstms.ipynb)
+    l, grads = jax.value_and_grad(_lstm_loss)(params, x, y)  # noqa: E741 (verbatim)
+    grads, opt_state = _opt.update(grads, opt_state)
+    params = optax.apply_updates(params, grads)
+    return l, params, opt_state
+
+
+@claim("docs/roles.md", "is no such question: its value selects no compiled version")
+@pytest.mark.parametrize("k", [1, K])
+def test_a_step_counter_the_body_never_reads_is_no_counter_and_compiles_once(k):
+    """Haiku's LSTM example passes `step` and never reads it: no question about a counter,
+    and its value selects no compiled version (one trace for every call)."""
+    xs = jax.random.normal(jax.random.key(0), (8, 5, 3))
+    ys = jax.random.normal(jax.random.key(1), (8, 5, 2))
+    params = {"w": jnp.full((3, 2), 0.1, jnp.float32)}  # (not weakly typed: one trace)
+    want = (params, _opt.init(params))
+    for i in range(8):
+        _, *want = jax.jit(_lstm_update)(i, *want, xs[i], ys[i])
+    step = autoflat.step(_lstm_update, num_steps=k)
+    got = (params, _opt.init(params))
+    for i in range(0, 8, k):
+        batch = (xs[i], ys[i]) if k == 1 else (xs[i : i + k], ys[i : i + k])
+        _, *got = step(i, *got, *batch)
+    tree_allclose(got, want, rtol=1e-5)
+    assert autoflat.stats(step).traces == 1

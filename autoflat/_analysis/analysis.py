@@ -87,6 +87,8 @@ class Analysis:
     # Parameters the body binds again (`p = f(p)`): one never rebound, returned by name,
     # comes back as it came in.
     rebound: frozenset[str]
+    # Parameters nothing in the body reads (`step` passed and never used).
+    unread: frozenset[str]
     # Attributes read directly off each parameter (`self.lr`): (param, attribute), sorted.
     attribute_reads: tuple[tuple[str, str], ...]
     free_names: frozenset[str]
@@ -449,6 +451,7 @@ def _analysis(code: _Annotated, params: tuple[Param, ...], returns: tuple[Return
             if p not in visitor.in_place and p not in visitor.assigned
         ),
         rebound=visitor.rebound(),
+        unread=visitor.unread(),
         attribute_reads=tuple(sorted(visitor.attribute_reads)),
         free_names=_free_names(code),
         all_names=frozenset(visitor.names),

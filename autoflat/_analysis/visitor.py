@@ -280,6 +280,21 @@ class Visitor(cst.CSTVisitor):
             p.name.value for p in self.params if len(self.scope.assignments[p.name.value]) > 1
         )
 
+    def unread(self) -> frozenset[str]:
+        """The parameters nothing in the function reads (a nested function's read counts);
+        none where it calls `locals`, `vars` or `eval`, which read names unseen."""
+        if self.scope is None or self.names & {"locals", "vars", "eval", "exec"}:
+            return frozenset()
+        return frozenset(
+            p.name.value
+            for p in self.params
+            if not any(
+                a.references
+                for a in self.scope.assignments[p.name.value]
+                if getattr(a, "node", None) is p
+            )
+        )
+
     def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
         if original_node is not self.root:
             return

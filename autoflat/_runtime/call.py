@@ -141,7 +141,7 @@ def prepare(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
             _writeback.check_writable(
                 structures[k].treedef, program.roles.state[k], step._analysis, args[i]
             )
-    static = tuple(args[i] for i in program.static_idx)
+    static = program.static_values(args)
     if program.instance_attrs:
         static += instance_attributes(program, args)
     call.spec = step._specs.get(

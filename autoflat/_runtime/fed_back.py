@@ -14,7 +14,8 @@ shapes the argument had (the value it could be the new one of).
 A step counter passed as a Python int is the other such reading: static at num_steps > 1,
 the same for every step of a call, where k calls of the step under `jax.jit` see k values.
 The next call shows it: the int has grown or shrunk by num_steps (`step(t, ...)` in a loop
-over `range(0, n, num_steps)`, a countdown), and `refuse` raises, naming per-step indices.
+over `range(0, n, num_steps)`, a countdown), and `refuse` raises, naming per-step indices,
+unless the body never reads it (Haiku's LSTM example passes `step` and does not use it).
 
 Only the first `CHECKED_CALLS` calls of a program are recorded, each call's per-step outputs
 added to those of the calls before it: a carry is passed back from the second call of its
@@ -91,9 +92,16 @@ class FedBack:
         if program is not self._program:
             return
         k = step.num_steps
+        unread = step._analysis.unread  # (a counter the body never reads changes nothing)
         for i, before in self._numbers.items():
-            if k > 1 and type(args[i]) is int and abs(args[i] - before) == k:
-                _counter(step, program.roles.params[i], before, args[i])
+            param = program.roles.params[i]
+            if (
+                k > 1
+                and type(args[i]) is int
+                and abs(args[i] - before) == k
+                and param not in unread
+            ):
+                _counter(step, param, before, args[i])
         last = self._last
         if not last:
             return

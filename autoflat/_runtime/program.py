@@ -35,6 +35,7 @@ class Program:
         "scanned_idx",
         "bcast_idx",
         "static_idx",
+        "static_unread",
         "written_back_idx",
         "instance_idx",
         "instance_attrs",
@@ -55,6 +56,7 @@ class Program:
         filename: str,
         instance: str | None = None,
         instance_attrs: tuple[str, ...] = (),
+        unread: frozenset[str] = frozenset(),
     ):
         self.roles = roles
         self.generated = generated
@@ -65,6 +67,9 @@ class Program:
         self.scanned_idx = tuple(idx[p] for p in roles.of("scanned"))
         self.bcast_idx = tuple(idx[p] for p in roles.of("broadcast"))
         self.static_idx = tuple(idx[p] for p in roles.of("static"))
+        # Static parameters the body never reads (Haiku's `update(step, params, ...)`): their
+        # values select no compiled version (`static_values`).
+        self.static_unread = frozenset(k for k, p in enumerate(roles.of("static")) if p in unread)
         # Broadcast arguments read so by their shapes (rule `no-leading-axis`): positions among
         # `bcast_idx`, checked in every trace (`tracing.refuse_per_step_arrays`).
         rules = dict(zip(roles.params, roles.rules, strict=True))
@@ -97,6 +102,15 @@ class Program:
             self.bcast_idx.index(self.instance_idx) if self.instance_idx in self.bcast_idx else -1
         )
         self.static_names = roles.of("static") + tuple(f"{instance}.{a}" for a in instance_attrs)
+
+    def static_values(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The static arguments' values that select a compiled version (None for one the
+        body never reads)."""
+        if not self.static_unread:
+            return tuple(args[i] for i in self.static_idx)
+        return tuple(
+            None if k in self.static_unread else args[i] for k, i in enumerate(self.static_idx)
+        )
 
     def result(self, handles: list[Any], outputs: Any) -> Any:
         """What the step returns: its state (as handles) and outputs, in the user's order."""
@@ -146,7 +160,7 @@ class Programs:
             instance = self.options.instance
             attrs = tuple(a for q, a in analysis.attribute_reads if q == instance)
             program = self._by_roles[roles] = Program(
-                roles, generated, fn, filename, instance, attrs
+                roles, generated, fn, filename, instance, attrs, analysis.unread
             )
         return program
 

@@ -160,7 +160,7 @@ def dry_call(
             leaves.append(pack_on_device(layout, arrays))
             layout.host_calls[0] = calls  # (not one of the call's own packs: `_HOST_CALLS`)
     broadcast = [flatten(args[i]) for i in program.bcast_idx]
-    static = tuple(args[i] for i in program.static_idx)
+    static = program.static_values(args)
     spec = step._specs.get(
         program, structures, placements, layouts, None, [s for s, _ in broadcast], static
     )
