@@ -94,8 +94,9 @@ def _tally(counter, x):
 
 
 def test_a_return_that_calls_runs_before_state_is_flattened():
-    """`return f(counter, x)`: the call may change state in place, so the `return`'s
-    expressions are bound first, in the order written, and state is flattened after them."""
+    """`return f(counter, x), ...`: the call may change state in place, so the `return`'s
+    calls are bound first, in the order written, and state is flattened after them (what
+    the call wrote is read after it, as written)."""
 
     def count(counter, x):
         counter["seen"] = counter["seen"] + 1
@@ -108,8 +109,8 @@ def test_a_return_that_calls_runs_before_state_is_flattened():
         """\
         (test_codegen.py:{a}-{b})
                 counter["seen"] = counter["seen"] + 1
-                _af_ret0, _af_ret1 = _tally(counter, x), counter["n"] + 0
-                return (_af_flatten(_af_spec, 0, counter),), (_af_ret0, _af_ret1)
+                _af_ret0 = _tally(counter, x)
+                return (_af_flatten(_af_spec, 0, counter),), (_af_ret0, counter["n"] + 0)
             return count
         """
     ).format(a=line - 1, b=line)

@@ -404,22 +404,28 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
         elements = [returned.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])]
     else:
         elements = _elements(returned, roles.layout.nest)
-    if not any(m.findall(e, _CALL) for e in elements) or len(elements) > len(names.bound):
+    calls = [i for i, e in enumerate(elements) if m.findall(e, _CALL)]
+    if not calls or len(elements) > len(names.bound):
         return _assemble(roles, names, elements, node)
     # A call may change state in place (`return train(model, optimizer, x)`, an NNX module
-    # whose Variables it updates): the `return`'s expressions run first, in the order written,
-    # and state is flattened after them, as `jax.jit` flattens what the function returned.
-    temps: list[cst.BaseExpression] = [cst.Name(n) for n in names.bound[: len(elements)]]
-    target: cst.BaseAssignTargetExpression = cst.Name(names.bound[0])
-    value = elements[0]
-    if len(elements) > 1:
-        target, value = _bare(_tuple(temps)), _bare(_tuple(elements))
+    # whose Variables it updates): the `return`'s calls run first, in the order written, and
+    # state is flattened after them, as `jax.jit` flattens what the function returned. A name
+    # beside them reads the same object after them (all are bound where a `:=` could rebind).
+    if any(m.findall(e, m.NamedExpr()) for e in elements):
+        calls = list(range(len(elements)))
+    temps = [cst.Name(names.bound[i]) for i in calls]
+    target: cst.BaseAssignTargetExpression = temps[0]
+    value = elements[calls[0]]
+    if len(calls) > 1:
+        target, value = _bare(_tuple(list(temps))), _bare(_tuple([elements[i] for i in calls]))
     bind = cst.Assign(
         targets=[cst.AssignTarget(target)],
         value=value,
         semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
     )
-    return cst.FlattenSentinel([bind, _assemble(roles, names, temps, node)])
+    bound = dict(zip(calls, temps, strict=True))
+    after = [bound.get(i, e) for i, e in enumerate(elements)]
+    return cst.FlattenSentinel([bind, _assemble(roles, names, after, node)])
 
 
 _CALL = m.Call() | m.NamedExpr() | m.Await() | m.Yield()
