@@ -4,7 +4,7 @@ A method step's `self` that is a plain object is taken as `jax.jit` takes a stat
 (one compile per instance, and per value of the attributes the body reads), but held weakly:
 freed instances leave every cache of autoflat's, and the programs JAX compiled for them go at
 the step's next compile that finds none alive. A pytree `self` (an Equinox module) passes its
-arrays in as broadcast inputs.
+arrays in as broadcast inputs; a Flax NNX module's `self` is state, written back.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import tree_allclose
 
 import autoflat
 
@@ -334,3 +335,43 @@ def test_the_header_of_a_pytree_self_says_its_arrays_are_inputs():
     assert "recompiles" not in header.splitlines()[2]
     Model(jnp.array([3.0, 4.0], jnp.float32)).train(jnp.ones(2))  # new arrays: no recompile
     assert autoflat.stats(Model.train).traces == 1
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_flax_nnx_module_s_method_that_changes_it_writes_back_as_nnx_jit(k):
+    """A trainer module whose method updates its own model and optimizer in place (the
+    optimizer's update, a call counter written in the body, dropout's rng count): `self` is
+    state written back into the instance, as `nnx.jit` of the method leaves it (it was the
+    method's broadcast instance, and every change was lost)."""
+    nnx = pytest.importorskip("flax.nnx")
+    import optax
+
+    class Trainer(nnx.Module):
+        def __init__(self, rngs):
+            self.model = nnx.Sequential(
+                nnx.Linear(4, 8, rngs=rngs),
+                nnx.Dropout(0.3, rngs=rngs),
+                nnx.Linear(8, 2, rngs=rngs),
+            )
+            self.optimizer = nnx.Optimizer(self.model, optax.adam(1e-2), wrt=nnx.Param)
+            self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+
+        def train_step(self, x, y):
+            self.calls[...] = self.calls[...] + 1
+            loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(self.model)
+            self.optimizer.update(self.model, grads)
+            return loss
+
+    xs = jax.random.normal(jax.random.key(0), (8, 6, 4))
+    ys = jax.random.normal(jax.random.key(1), (8, 6, 2))
+    ref, got = Trainer(nnx.Rngs(0, dropout=1)), Trainer(nnx.Rngs(0, dropout=1))
+    ref_losses = [nnx.jit(Trainer.train_step)(ref, xs[i], ys[i]) for i in range(8)]
+    step = autoflat.step(got.train_step, num_steps=k)
+    losses = []
+    for i in range(0, 8, k):
+        batch = (xs[i], ys[i]) if k == 1 else (xs[i : i + k], ys[i : i + k])
+        losses.extend(jnp.atleast_1d(step(*batch)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    tree_allclose(nnx.state(got), nnx.state(ref), rtol=1e-5, atol=1e-6)
+    assert int(got.calls[...]) == 8 and int(got.optimizer.step[...]) == 8
+    assert "# self: state (assigned into at line" in autoflat.show(step)

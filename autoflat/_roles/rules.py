@@ -120,11 +120,13 @@ def decide(ctx: Context, p: str) -> Decision | None:
 
 def option_or_self(ctx: Context, p: str) -> Evidence | None:
     """Named in `static_argnames=`, `broadcast=` or `per_step=`; a method's instance, unless
-    a return position gives it back (rules 3 and 4)."""
+    a return position gives it back (rules 3 and 4) or it is a Flax NNX module (rule 7)."""
     options = ctx.options
     if p in options.static:
         return "static", "static_argnames="
-    if p == options.instance and not ctx.given_back(p):
+    if p == options.instance and not ctx.given_back(p) and mutable_module(ctx, p) is None:
+        # (a Flax NNX module's own method changes its Variables in place: rule 7 writes them
+        # back, as `nnx.jit` of the method does)
         return "broadcast", "the method's instance" + _what_selects(ctx, p)
     if p in options.broadcast:
         return "broadcast", "broadcast="

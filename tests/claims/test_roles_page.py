@@ -388,7 +388,7 @@ def test_rule_1_options_decide_and_name_themselves():
     tree_allclose((ws, vs), jax.tree.map(lambda *a: jnp.stack(a), *want))
 
 
-@claim(PAGE, "a method's `self` (unless rule 3 finds a pytree `self` given back changed)")
+@claim(PAGE, "a method's `self` (unless rule 3 finds a pytree `self` given back changed,")
 def test_rule_1_a_methods_self_is_broadcast_unless_given_back_changed():
     from flax import struct
 
@@ -421,6 +421,40 @@ def test_rule_1_a_methods_self_is_broadcast_unless_given_back_changed():
         role_line(step, "self")
         == "state (matched by value to return position 0) [rule: matched-by-value]"
     )
+
+
+@claim(
+    PAGE,
+    "or it is a Flax NNX module: rule 5 or 7 writes what the method changes back into it, as `nnx.jit` of the method does",
+)
+def test_rule_1_an_nnx_modules_method_writes_its_changes_back():
+    from flax import nnx
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.n = nnx.BatchStat(jnp.zeros(()))
+            self.lin = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+        def bump(self):  # (changes it in a function it calls: rule 7)
+            self.n[...] = self.n[...] + 1.0
+
+        def count(self, x):
+            self.bump()
+            return self.lin(x).sum()
+
+        def add(self, x):
+            self.n[...] = self.n[...] + x.sum()
+            return x.sum()
+
+    ref, got = Counter(), Counter()
+    for name, rule in (("count", "mutable-module"), ("add", "assigned-into")):
+        step = autoflat.step(getattr(got, name), num_steps=K)
+        step(data(K, 2))
+        for i in range(K):
+            nnx.jit(getattr(Counter, name))(ref, data(K, 2)[i])
+        assert role_line(step, "self").endswith(f"[rule: {rule}]")
+    tree_allclose(nnx.state(got), nnx.state(ref))
+    assert float(got.n[...]) != 0.0
 
 
 # Row 2: returned-by-name
