@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import textwrap
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 import autoflat
 
@@ -118,6 +120,39 @@ def test_a_return_that_calls_runs_before_state_is_flattened():
     doubled, n = step(counter, jnp.ones(3))
     assert (float(counter["n"]), int(counter["seen"]), float(n)) == (3.0, 1, 3.0)
     assert doubled.tolist() == [2.0, 2.0, 2.0]
+
+
+def _read_then_tally(counter, x):
+    counter["seen"] = counter["seen"] + 1
+    return counter["n"] + 0, _tally(counter, x)
+
+
+def _rebound_by_a_nested_function(params, x):
+    def shift():
+        nonlocal params
+        params = params + 1.0
+        return x.sum()
+
+    return params, shift()
+
+
+def test_a_return_runs_in_the_order_written_up_to_its_last_call():
+    """What a `return` writes before a call reads the value before the call, as `jax.jit`
+    evaluates it; a bare name beside a call that a nested function rebinds (`nonlocal`)
+    reads the value before the call too."""
+    step = autoflat.step(_read_then_tally)
+    assert '_af_ret0, _af_ret1 = counter["n"] + 0, _tally(counter, x)' in autoflat.show(step)
+    counter = {"n": jnp.float32(0.0), "seen": jnp.int32(0)}
+    before, _ = step(counter, jnp.ones(3))
+    assert (float(before), float(counter["n"])) == (0.0, 3.0)  # (the state: after the call)
+    fresh = {"n": jnp.float32(0.0), "seen": jnp.int32(0)}
+    assert float(jax.jit(_read_then_tally)(fresh, jnp.ones(3))[0]) == 0.0
+    for k in (1, 4):
+        nested = autoflat.step(_rebound_by_a_nested_function, num_steps=k)
+        xs = jnp.ones((k, 3)) if k > 1 else jnp.ones(3)
+        p, _ = nested(jnp.zeros(2), xs)
+        np.testing.assert_allclose(p, jnp.zeros(2))  # the value before `shift()` ran
+    assert "_af_ret0, _af_ret1 = params, shift()" in autoflat.show(nested)
 
 
 def test_names_avoid_collisions_with_user_names():

@@ -82,6 +82,26 @@ def test_error_in_user_body_points_at_user_line():
     assert not model.is_deleted() and float(model.sum()) == 0.0
 
 
+def _raises_inside(model, x):
+    return jnp.dot(model, x)  # a shape error for the shapes below
+
+
+def _returns_a_call(model, x):
+    return model, _raises_inside(model, x)
+
+
+def test_an_error_in_a_call_in_the_first_statement_s_return_points_at_the_user_line():
+    """`return helper(...)` as the body's only statement (its call bound before state is
+    flattened): the step's frame in the traceback is the user's line."""
+    step = autoflat.step(_returns_a_call)
+    with pytest.raises(TypeError) as info:
+        step(jnp.zeros(2), jnp.ones(3))
+    frames = traceback.extract_tb(info.value.__traceback__)
+    line = _returns_a_call.__code__.co_firstlineno + 1
+    assert any(f.filename == __file__ and f.lineno == line for f in frames), frames
+    assert not any(f.filename.startswith("<autoflat:") for f in frames), frames
+
+
 def _user_frames(exc, name):
     """The frames of a traceback that run `name` in this file, innermost last."""
     frames, tb = [], exc.__traceback__

@@ -26,6 +26,11 @@ def _param_nodes(params: cst.Parameters) -> list[cst.Param]:
     return nodes
 
 
+# Names through which a function may read its own parameters unseen.
+_READ_UNSEEN = frozenset(
+    {"locals", "vars", "eval", "exec", "_getframe", "currentframe", "f_locals", "__builtins__"}
+)
+
 # Methods that change a dict or a list in place.
 _IN_PLACE_METHODS = frozenset(
     {
@@ -282,8 +287,9 @@ class Visitor(cst.CSTVisitor):
 
     def unread(self) -> frozenset[str]:
         """The parameters nothing in the function reads (a nested function's read counts);
-        none where it calls `locals`, `vars` or `eval`, which read names unseen."""
-        if self.scope is None or self.names & {"locals", "vars", "eval", "exec"}:
+        none where it names `locals`, `vars`, `eval`, a frame's locals or the builtins, which
+        read names unseen."""
+        if self.scope is None or self.names & _READ_UNSEEN:
             return frozenset()
         return frozenset(
             p.name.value

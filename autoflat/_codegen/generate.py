@@ -353,7 +353,10 @@ def _body(
 ) -> tuple[list[cst.BaseStatement], Mapping[cst.CSTNode, cst.CSTNode]]:
     """The user's statements, their own returns rewritten, under a comment naming where they
     come from; and the user's statement behind each new one (for the line map)."""
-    make_return = functools.partial(_new_return, roles, names)
+    # A nested function that rebinds the step's names (`nonlocal`) may change what a bare name
+    # beside a call in a `return` reads.
+    rebinds = bool(m.findall(analysis.funcdef, m.Nonlocal()))
+    make_return = functools.partial(_new_return, roles, names, rebinds)
     rewriter = _ReturnRewriter(analysis.return_nodes, make_return)
     new_func = cst.ensure_type(analysis.funcdef.visit(rewriter), cst.FunctionDef)
     if "__class__" in freevars and analysis.param_names:
@@ -376,10 +379,12 @@ def _body(
     statements[0] = first.with_changes(
         leading_lines=[*_comment_lines([label]), *first.leading_lines]
     )
+    if first in rewriter.origin:  # (a rewritten `return` first: its line maps to the user's)
+        rewriter.origin[statements[0]] = rewriter.origin[first]
     return statements, rewriter.origin
 
 
-def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
+def _new_return(roles: Roles, names: _Names, rebinds: bool, node: cst.Return | None) -> Any:
     """What one of the function's own `return`s becomes (None: falling off its end).
 
     `return f(...)` whose value is a tuple with state among its items is unpacked into names
@@ -408,22 +413,26 @@ def _new_return(roles: Roles, names: _Names, node: cst.Return | None) -> Any:
     if not calls or len(elements) > len(names.bound):
         return _assemble(roles, names, elements, node)
     # A call may change state in place (`return train(model, optimizer, x)`, an NNX module
-    # whose Variables it updates): the `return`'s calls run first, in the order written, and
-    # state is flattened after them, as `jax.jit` flattens what the function returned. A name
-    # beside them reads the same object after them (all are bound where a `:=` could rebind).
-    if any(m.findall(e, m.NamedExpr()) for e in elements):
-        calls = list(range(len(elements)))
-    temps = [cst.Name(names.bound[i]) for i in calls]
+    # whose Variables it updates): the `return`'s expressions up to its last call run first,
+    # in the order written, and state is flattened after them, as `jax.jit` flattens what the
+    # function returned. A bare name among them reads the same object after them, unless a
+    # `:=` or a nested function's `nonlocal` could rebind it; what follows the last call reads
+    # what the calls left, as written.
+    rebinds = rebinds or any(m.findall(e, m.NamedExpr()) for e in elements)
+    first = [
+        i for i, e in enumerate(elements[: calls[-1] + 1]) if rebinds or not isinstance(e, cst.Name)
+    ]
+    temps = [cst.Name(names.bound[i]) for i in first]
     target: cst.BaseAssignTargetExpression = temps[0]
-    value = elements[calls[0]]
-    if len(calls) > 1:
-        target, value = _bare(_tuple(list(temps))), _bare(_tuple([elements[i] for i in calls]))
+    value = elements[first[0]]
+    if len(first) > 1:
+        target, value = _bare(_tuple(list(temps))), _bare(_tuple([elements[i] for i in first]))
     bind = cst.Assign(
         targets=[cst.AssignTarget(target)],
         value=value,
         semicolon=cst.Semicolon(whitespace_after=cst.SimpleWhitespace(" ")),
     )
-    bound = dict(zip(calls, temps, strict=True))
+    bound = dict(zip(first, temps, strict=True))
     after = [bound.get(i, e) for i, e in enumerate(elements)]
     return cst.FlattenSentinel([bind, _assemble(roles, names, after, node)])
 
