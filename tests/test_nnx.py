@@ -759,3 +759,28 @@ def test_rngs_advanced_by_a_call_in_the_return_advance_for_the_caller():
         out.append(rngs.default.count[...])
     tree_allclose(got, ref)
     assert int(got[-1]) == 3 and not bool(jnp.all(got[0] == got[1]))
+
+
+class _Tallied(nnx.Module):
+    def __init__(self):
+        self.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        self.w = nnx.Param(jnp.ones(3))
+
+
+def _counted_in_finally(model, x):
+    try:
+        return (x * model.w[...]).sum()
+    finally:
+        model.calls[...] = model.calls[...] + 1
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_change_in_a_finally_block_after_the_return_reaches_the_caller(k):
+    """A `finally` block runs after the `return`'s expression, before the function returns:
+    what it changes is in the state, as `nnx.jit` flattens what the function returned."""
+    ref, got = _Tallied(), _Tallied()
+    for _ in range(k):
+        nnx.jit(_counted_in_finally)(ref, jnp.ones(3))
+    step = autoflat.step(_counted_in_finally, num_steps=k)
+    step(got, jnp.ones((k, 3)) if k > 1 else jnp.ones(3))
+    assert int(got.calls[...]) == int(ref.calls[...]) == k

@@ -32,7 +32,7 @@ from .._transport import wholes as _wholes
 from .._transport.structure import FlatState, pinned, strongly_typed
 from .diagnostics import Stats
 from .specs import CallSpec
-from .tracing import captured, linking, refuse_per_step_arrays
+from .tracing import captured, linking, refuse_per_step_arrays, resolved
 
 
 def entry(
@@ -82,6 +82,7 @@ def _body(
     values = (*spec.structures, *spec.bcast_structures, *spec.static.values())
     with linking(bcast), _writeback.untouched(names, values, spec.fn):
         state_out, outputs = spec.program.fn(spec, state, xs, bcast)
+        state_out = resolved(state_out)
     if spec.num_steps == 1:
         captured(spec, state_out, outputs)
     leaving = tuple(_leaving(spec, k, flat) for k, flat in enumerate(state_out))

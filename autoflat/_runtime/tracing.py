@@ -1,8 +1,9 @@
 """The helpers that generated code calls, inside the trace: `HELPERS`.
 
 Generated code (see `autoflat.show`) calls them by the names in `HELPERS`: `unflatten` turns a
-state argument's leaves back into the user's object, `flatten` turns the state a step returns
-into leaves of the structure it came in with (or raises, naming what changed), and `scan`
+state argument's leaves back into the user's object, `flatten` marks the state a step returns,
+which `resolved` turns into leaves of the structure it came in with once the step has returned
+(or raises, naming what changed), and `scan`
 runs the steps of one call as a `lax.scan`, checking the leading axis of per-step inputs and
 that the state keeps its shapes and dtypes from step to step, by `lax.scan`'s own rule: a
 weakly typed leaf (made from a Python number) may come back of another dtype, and the scan
@@ -100,7 +101,27 @@ def _unflatten(flat: FlatState) -> Any:
     return value
 
 
-def _flatten(spec: Any, index: int, value: Any) -> FlatState:
+class _Pending:
+    """A state value a `return` gives back, flattened once the step has returned
+    (`resolved`): after a `finally` block that changes it, as `jax.jit` flattens what the
+    function returned."""
+
+    __slots__ = ("spec", "index", "value")
+
+    def __init__(self, spec: Any, index: int, value: Any) -> None:
+        self.spec, self.index, self.value = spec, index, value
+
+
+def _flatten(spec: Any, index: int, value: Any) -> _Pending:
+    return _Pending(spec, index, value)
+
+
+def resolved(state: tuple[Any, ...]) -> tuple[FlatState, ...]:
+    """The state a step returned, flattened now that the step has returned."""
+    return tuple(_flat(p.spec, p.index, p.value) if type(p) is _Pending else p for p in state)
+
+
+def _flat(spec: Any, index: int, value: Any) -> FlatState:
     if type(value) is LazyHandle:
         value = LazyHandle._af_get(value)
     structure, arrays = flatten(value)
@@ -133,6 +154,7 @@ def _scan(
 
     def checked(carry: Any, x: Any) -> Any:
         new_carry, ys = step(carry, x)
+        new_carry = resolved(new_carry)
         captured(spec, new_carry, ys)
         for i, (old, new) in enumerate(zip(carry, new_carry, strict=True)):
             for a, b in zip(old.arrays, new.arrays, strict=True):
