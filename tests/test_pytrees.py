@@ -108,3 +108,62 @@ def test_flax_struct_dataclass():
     assert isinstance(ts, TrainState) and ts.apply_name == "mlp"
     assert int(ts.step) == 6 and ts.params["w"].tolist() == [6.0, 6.0]
     assert autoflat.stats(step).fast_path == 1
+
+
+# jax-ml/jax docs/the-training-cookbook.py, verbatim: a dict whose attributes are its keys (a
+# missing attribute raises a KeyError, not an AttributeError).
+@jax.tree_util.register_pytree_with_keys_class
+class dot_dict(dict):  # noqa: N801
+    __setattr__ = dict.__setitem__
+    __getattr__ = dict.__getitem__
+
+    def tree_flatten_with_keys(self):
+        keys = tuple(sorted(self))
+        return tuple((jax.tree_util.DictKey(k), self[k]) for k in keys), keys
+
+    @classmethod
+    def tree_unflatten(cls, keys, values):
+        return cls(zip(keys, values))  # noqa: B905 (verbatim)
+
+
+def _sgd(params, x):
+    grads = jax.grad(lambda p: jnp.sum((x @ p.w) ** 2))(params)
+    new_params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return new_params, jnp.sum(x)
+
+
+def _sgd_update(param, grad):  # (the cookbook's `adam_update`: written into a jax.Ref)
+    param[...] -= 0.1 * grad
+
+
+def _ref_step(train_state, batch):  # (the cookbook's `train_step`)
+    params = jax.tree.map(jax.ref.get, train_state)
+    loss, grad = jax.value_and_grad(lambda p: jnp.sum((batch["x"] @ p.w) ** 2))(params)
+    jax.tree.map(_sgd_update, train_state, grad)
+    return {"loss": loss}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_dict_whose_missing_attributes_raise_key_error(k):
+    """The JAX training cookbook's `dot_dict`: as a state returned under another name, and
+    holding `jax.Ref`s that the step writes into (the cookbook's train state), equal to
+    `jax.jit` (the roles' `getattr(value, "dtype", None)` raised its `KeyError`)."""
+    xs = jax.random.normal(jax.random.key(0), (8, 2, 3))
+    want = dot_dict(w=jnp.ones((3, 1)))
+    for x in xs:
+        want, _ = jax.jit(_sgd)(want, x)
+    step = autoflat.step(_sgd, num_steps=k)
+    got = dot_dict(w=jnp.ones((3, 1)))
+    for i in range(0, 8, k):
+        got, _ = step(got, xs[i] if k == 1 else xs[i : i + k])
+    tree_allclose(autoflat.unwrap(got), want, rtol=1e-5)
+
+    refs = jax.tree.map(jax.ref.new_ref, dot_dict(w=jnp.ones((3, 1))))
+    ref_losses = [jax.jit(_ref_step)(refs, {"x": x})["loss"] for x in xs]
+    state = jax.tree.map(jax.ref.new_ref, dot_dict(w=jnp.ones((3, 1))))
+    ref_step = autoflat.step(_ref_step, num_steps=k)
+    losses = [ref_step(state, {"x": xs[i] if k == 1 else xs[i : i + k]}) for i in range(0, 8, k)]
+    np.testing.assert_allclose(
+        jnp.concatenate([jnp.atleast_1d(m["loss"]) for m in losses]), ref_losses, rtol=1e-5
+    )
+    np.testing.assert_allclose(state.w[...], refs.w[...], rtol=1e-5)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._analysis.analysis import Analysis, Return
 from .._errors import STATE_NOT_MATCHED, AutoflatError, OptionError, error
-from .._transport.structure import is_array
+from .._transport.structure import attribute, is_array
 from . import matching as _matching
 from . import names as _names
 from .abstract import abstract_leaves, eval_one_step, positions_of, same_value
@@ -329,7 +329,7 @@ def _partly_whole(value: Any, out: Any) -> bool:
 
 
 def _fits(out: Any, abstract: Any) -> bool:
-    return np.shape(out) == abstract.shape and getattr(out, "dtype", None) == abstract.dtype
+    return np.shape(out) == abstract.shape and attribute(out, "dtype") == abstract.dtype
 
 
 def _carried_whole(run: Run, first: Return, p: str) -> list[Any] | None:

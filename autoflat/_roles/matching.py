@@ -29,7 +29,7 @@ from .._errors import (
     SourceError,
     error,
 )
-from .._transport.structure import is_array
+from .._transport.structure import attribute, is_array
 from .abstract import is_copy, same_value
 from .flow import Flow
 from .names import extreme_named, name_at, named_after, named_for, renamed, tokens
@@ -414,7 +414,7 @@ def unpackable(out: Any) -> bool:
 def is_key(value: Any) -> bool:
     """A PRNG key (a typed key, or a raw `uint32[2]` one): a carried key returned at another
     position (`return state, metrics, new_dropout_rng`) is matched wherever it is."""
-    dtype = getattr(value, "dtype", None)
+    dtype = attribute(value, "dtype")
     if dtype is None or not is_array(value):
         return False
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):

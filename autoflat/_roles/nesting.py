@@ -30,6 +30,7 @@ from .._analysis.analysis import Analysis
 from .._analysis.returns import Return, renested
 from .._errors import STATE_SPREAD, STATE_SPREAD_FLAT, OptionError, error
 from .._handles.lazy import LazyHandle
+from .._transport.structure import attribute
 from .abstract import same_value
 from .flow import Flow, scalar_container
 from .state_hazards import has_named_parts
@@ -136,7 +137,7 @@ def _leading(value: Any, num_steps: int) -> bool:
 
 
 def _dtype(leaf: Any) -> Any:
-    dtype = getattr(leaf, "dtype", None)
+    dtype = attribute(leaf, "dtype")
     return dtype if dtype is not None else type(leaf)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from .._analysis.analysis import Analysis, Return
 from .._errors import NUMBER_ADDED, NUMBER_RENAMED, OptionError, error
 from .._handles.writeback import is_mutable_module
+from .._transport.structure import attribute
 from .abstract import SCALARS, eval_one_step, positions_of
 from .flow import SUMS, Flow
 from .names import name_at, renamed
@@ -263,5 +264,5 @@ def _direct(flows: list[Flow] | None, pos: int) -> frozenset[str]:
 
 def _scalar_array(out: Any) -> bool:
     """A 0-d numeric array (abstract), as a Python number traced becomes."""
-    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    shape, dtype = attribute(out, "shape"), attribute(out, "dtype")
     return shape == () and dtype is not None and jax.dtypes.issubdtype(dtype, np.number)

@@ -40,7 +40,7 @@ from .._errors import (
     OptionError,
     error,
 )
-from .._transport.structure import is_array
+from .._transport.structure import attribute, is_array
 from .abstract import same_value
 from .flow import Flow, scalar_container
 from .matching import is_key
@@ -474,7 +474,7 @@ def _skeleton(treedef: Any) -> Any:
 
 
 def _is_abstract_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    return attribute(x, "shape") is not None and attribute(x, "dtype") is not None
 
 
 def _outer(value: Any) -> str:
@@ -510,7 +510,7 @@ def _nested_array(p: str, value: Any, out: Any, here: Flow) -> str | None:
     if len(found) < 2 and not any(path for path, _ in found):
         return None  # (a bare array position: matched at its place, `matching.bare_at_place`)
     for (path, leaf), smooth in zip(found, here.smooth, strict=True):
-        same = np.shape(leaf) == np.shape(value) and getattr(leaf, "dtype", None) == value.dtype
+        same = np.shape(leaf) == np.shape(value) and attribute(leaf, "dtype") == value.dtype
         if same and p in smooth:
             return jax.tree_util.keystr(path)
     return None

@@ -356,7 +356,17 @@ class _AnyArray:
 
 
 def _dtype(x: Any) -> Any:
-    return getattr(x, "dtype", None)
+    return attribute(x, "dtype")
+
+
+def attribute(x: Any, name: str) -> Any:
+    """`x.name`, or None where `x` has none, whatever it raises then (a dict subclass whose
+    `__getattr__` is `dict.__getitem__` raises a `KeyError`: the JAX training cookbook's
+    `dot_dict`)."""
+    try:
+        return getattr(x, name, None)
+    except Exception:
+        return None
 
 
 def _leaf_desc(x: Any) -> str:

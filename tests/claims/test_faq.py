@@ -302,15 +302,30 @@ class _Stepper(eqx.Module):
 
 @claim(
     FAQ,
-    "An object whose class defines `__call__` (an Equinox module used as the step) is taken as its bound `__call__`, as `jax.jit(stepper)` takes it: a method step whose instance is broadcast.",
+    "An object whose class defines `__call__` (an Equinox module used as the step) is taken as its bound `__call__`, as `jax.jit(stepper)` takes it: a method step whose instance is broadcast (a Flax NNX module's is state, its changes written back, as under `nnx.jit`).",
 )
 def test_a_callable_object_is_taken_as_its_bound_call():
+    from flax import nnx
+
     stepper = _Stepper()
     step = autoflat.step(stepper)
     w = step(jnp.ones(2), jnp.ones(2))
     np.testing.assert_allclose(w, jax.jit(stepper)(jnp.ones(2), jnp.ones(2)))
     assert "generated from `_Stepper.__call__`" in autoflat.show(step)
     assert "# self: broadcast (the method's instance" in header(step)
+
+    class Counting(nnx.Module):
+        def __init__(self):
+            self.n = nnx.BatchStat(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.n[...] = self.n[...] + x.sum()
+            return x * 2
+
+    ref, got = Counting(), Counting()
+    nnx.jit(lambda m, x: m(x))(ref, jnp.ones(2))
+    autoflat.step(got)(jnp.ones(2))
+    assert float(got.n[...]) == float(ref.n[...]) == 2.0
 
 
 def _counted(w, x, n):
