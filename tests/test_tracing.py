@@ -76,6 +76,28 @@ def test_structure_change_in_scan_is_a_clear_error_but_fine_with_one_step():
     assert float(out2["w"]) == 2.0
 
 
+def test_a_leaf_added_or_removed_in_scan_is_named_by_its_path():
+    """A state that gains or loses a leaf from one step to the next (a new Variable set in
+    `__call__`, as Flax's NNX VAE example does; a dict key) names those paths, not the
+    whole tree structures."""
+
+    def add(state, x):
+        state["w"] = state["w"] + x
+        state["extra"] = x
+
+    def drop(state, x):
+        state["w"] = state["w"] + x
+        del state["gone"]
+
+    s = {"w": jnp.zeros(()), "gone": jnp.zeros(())}
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(add, num_steps=2)({"w": jnp.zeros(())}, jnp.ones(2))
+    assert "  state['extra']: new (a leaf it did not come in with)\n" in str(info.value)
+    assert "PyTreeDef" not in str(info.value)
+    with pytest.raises(autoflat.ShapeError, match=r"  state\['gone'\]: gone\n"):
+        autoflat.step(drop, num_steps=2)(s, jnp.ones(2))
+
+
 def test_shape_change_in_scan():
     def widen(state, x):
         state = jnp.concatenate([state, x[None]])

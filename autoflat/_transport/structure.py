@@ -309,14 +309,17 @@ def describe_difference(
 ) -> str:
     """A short description of how a state's structure, shapes or dtypes changed (with
     `before_arrays=None`, input shapes are not compared)."""
+    paths = _paths(before)
     if before.treedef != after.treedef:
+        now = _paths(after)
+        lines = [f"  {name}{p}: gone" for p in paths if p not in set(now)]
+        lines += [
+            f"  {name}{p}: new (a leaf it did not come in with)" for p in now if p not in set(paths)
+        ]
+        if lines:
+            more = f"\n  ... ({len(lines) - 10} more)" if len(lines) > 10 else ""
+            return "\n".join(lines[:10]) + more
         return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
-    paths = [
-        jax.tree_util.keystr(p)
-        for p, _ in jax.tree_util.tree_flatten_with_path(
-            before.treedef.unflatten(list(range(len(before.static_leaves))))
-        )[0]
-    ]
     lines = []
     b_leaves = before.all_leaves(
         before_arrays if before_arrays is not None else [_AnyArray()] * before.n_arrays
@@ -336,6 +339,12 @@ def describe_difference(
         elif _static_key(b) != _static_key(a):
             lines.append(f"  {name}{path}: {b!r} became {a!r}")
     return "\n".join(lines[:10]) or "  (no difference found in structure, shapes or dtypes)"
+
+
+def _paths(structure: Structure) -> list[str]:
+    """The path of every leaf of a value of `structure`, as `jax.tree_util.keystr` writes it."""
+    dummy = structure.treedef.unflatten(list(range(len(structure.static_leaves))))
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
 def static_changed(before: Structure, after: Structure) -> bool:
