@@ -84,6 +84,7 @@ def test_a_leaf_added_or_removed_in_scan_is_named_by_its_path():
     def add(state, x):
         state["w"] = state["w"] + x
         state["extra"] = x
+        return state
 
     def drop(state, x):
         state["w"] = state["w"] + x
@@ -94,6 +95,8 @@ def test_a_leaf_added_or_removed_in_scan_is_named_by_its_path():
         autoflat.step(add, num_steps=2)({"w": jnp.zeros(())}, jnp.ones(2))
     assert "  state['extra']: new (a leaf it did not come in with)\n" in str(info.value)
     assert "PyTreeDef" not in str(info.value)
+    line = add.__code__.co_firstlineno + 3  # (its `return`)
+    assert any(f"at {__file__}:{line} (generated code" in n for n in info.value.__notes__)
     with pytest.raises(autoflat.ShapeError, match=r"  state\['gone'\]: gone\n"):
         autoflat.step(drop, num_steps=2)(s, jnp.ones(2))
 

@@ -102,9 +102,9 @@ def _unflatten(flat: FlatState) -> Any:
 
 
 class _Pending:
-    """A state value a `return` gives back, flattened once the step has returned
+    """A state value a `return` gives back, flattened again once the step has returned
     (`resolved`): after a `finally` block that changes it, as `jax.jit` flattens what the
-    function returned."""
+    function returned. (Both happen while the step is traced, never per call.)"""
 
     __slots__ = ("spec", "index", "value")
 
@@ -113,6 +113,7 @@ class _Pending:
 
 
 def _flatten(spec: Any, index: int, value: Any) -> _Pending:
+    _flat(spec, index, value)  # (a state it cannot carry raises here, at the user's `return`)
     return _Pending(spec, index, value)
 
 
