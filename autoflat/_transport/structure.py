@@ -312,6 +312,8 @@ def describe_difference(
     paths = _paths(before)
     if before.treedef != after.treedef:
         now = _paths(after)
+        if not now or not paths:  # (`None` given back: its structure says it)
+            return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
         lines = [f"  {name}{p}: gone" for p in paths if p not in set(now)]
         lines += [
             f"  {name}{p}: new (a leaf it did not come in with)" for p in now if p not in set(paths)
