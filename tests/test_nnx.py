@@ -784,3 +784,31 @@ def test_a_change_in_a_finally_block_after_the_return_reaches_the_caller(k):
     step = autoflat.step(_counted_in_finally, num_steps=k)
     step(got, jnp.ones((k, 3)) if k > 1 else jnp.ones(3))
     assert int(got.calls[...]) == int(ref.calls[...]) == k
+
+
+class _Flagged(nnx.Module):
+    def __init__(self):
+        self.n = 0  # a plain Python int attribute
+        self.w = nnx.Param(jnp.zeros(()))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+
+
+def _count_and_switch(model, x):
+    model.n = model.n + 1
+    model.w[...] = model.w[...] + x.sum()
+    model.eval()  # sets the Dropout's `deterministic`
+    return model.drop(x).sum()
+
+
+def test_plain_attributes_a_step_changes_reach_the_caller_as_with_nnx_jit():
+    """`model.n = model.n + 1` on a Python int and `model.eval()` inside the step: what
+    `nnx.jit` leaves in the caller's modules, autoflat leaves too (it set the Variables
+    only, and every call restarted from `n = 0`, dropout on)."""
+    ref, got = _Flagged(), _Flagged()
+    step = autoflat.step(_count_and_switch)
+    for _ in range(3):
+        want = nnx.jit(_count_and_switch)(ref, jnp.ones(2))
+        have = step(got, jnp.ones(2))
+    assert (got.n, float(got.w[...]), got.drop.deterministic) == (3, 6.0, True)
+    assert (ref.n, float(ref.w[...]), ref.drop.deterministic) == (3, 6.0, True)
+    np.testing.assert_allclose(have, want)

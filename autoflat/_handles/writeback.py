@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from .. import _caches, _jax
 from .._analysis.analysis import Analysis
@@ -135,9 +136,45 @@ def write_back(target: Any, new: Any, param: str, analysis: Analysis) -> None:
         # Flax NNX: set the new values into the caller's own Variables, as nnx.jit does.
         from flax import nnx
 
-        nnx.update(target, nnx.state(LazyHandle._af_get(new)))
+        obj = LazyHandle._af_get(new)
+        nnx.update(target, nnx.state(obj))
+        _set_static_attributes(target, obj)
         return
     _assign_into(target, LazyHandle._af_get(new), param, "", analysis)
+
+
+def _set_static_attributes(target: Any, new: Any) -> None:
+    """Flax NNX: the attributes that are not Variables, modules or arrays (`self.n += 1` on a
+    Python int, `deterministic` set by `model.eval()`) that the step changed, set in the
+    caller's own modules, as `nnx.jit` leaves them (`nnx.update` sets Variables only)."""
+    from flax import nnx
+
+    nodes = dict(nnx.iter_graph(new))
+    for path, node in nnx.iter_graph(target):
+        other = nodes.get(path)
+        if not isinstance(node, nnx.Module) or type(other) is not type(node):
+            continue
+        mine = vars(node)
+        for name, value in vars(other).items():
+            if name.startswith("_") or name not in mine or _holds_state(value):
+                continue
+            if not _same(mine[name], value):
+                setattr(node, name, value)
+
+
+def _holds_state(value: Any) -> bool:
+    from flax import nnx
+
+    return isinstance(value, (nnx.Variable, nnx.Pytree, jax.Array, np.ndarray, list, dict))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
 
 
 def _assign_into(target: Any, new: Any, param: str, path: str, analysis: Analysis) -> None:
