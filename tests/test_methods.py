@@ -375,3 +375,33 @@ def test_a_flax_nnx_module_s_method_that_changes_it_writes_back_as_nnx_jit(k):
     tree_allclose(nnx.state(got), nnx.state(ref), rtol=1e-5, atol=1e-6)
     assert int(got.calls[...]) == 8 and int(got.optimizer.step[...]) == 8
     assert "# self: state (assigned into at line" in autoflat.show(step)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_flax_nnx_method_that_returns_self_updates_and_returns_the_instance(k):
+    """`return self, loss` from a Flax NNX module's method (a fluent style): as under
+    `nnx.jit`, the instance holds the new values and is what comes back (a handle stood for
+    a new object, and a bound method step restarted from the old instance every call)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Ticker(nnx.Module):
+        def __init__(self):
+            self.count = nnx.BatchStat(jnp.zeros((), jnp.int32))
+            self.w = nnx.Param(jnp.ones(2))
+
+        def tick(self, x):
+            self.count[...] += 1
+            self.w[...] = self.w[...] * 0.5 + x
+            return self, (self.w[...] * x).sum()
+
+    xs = jax.random.normal(jax.random.key(0), (8, 2))
+    ref, got = Ticker(), Ticker()
+    for x in xs:
+        back, _ = nnx.jit(Ticker.tick)(ref, x)
+        assert back is ref
+    step = autoflat.step(got.tick, num_steps=k)
+    for i in range(0, 8, k):
+        back, _ = step(xs[i] if k == 1 else xs[i : i + k])
+        assert back is got
+    assert int(got.count[...]) == 8
+    tree_allclose(nnx.state(got), nnx.state(ref), rtol=1e-6)
