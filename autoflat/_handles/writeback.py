@@ -152,7 +152,7 @@ def _set_static_attributes(target: Any, new: Any) -> None:
     nodes = dict(nnx.iter_graph(new))
     for path, node in nnx.iter_graph(target):
         other = nodes.get(path)
-        if not isinstance(node, nnx.Module) or type(other) is not type(node):
+        if not is_mutable_module(node) or type(other) is not type(node):
             continue
         mine = vars(node)
         for name, value in vars(other).items():
@@ -165,7 +165,9 @@ def _set_static_attributes(target: Any, new: Any) -> None:
 def _holds_state(value: Any) -> bool:
     from flax import nnx
 
-    return isinstance(value, (nnx.Variable, nnx.Pytree, jax.Array, np.ndarray, list, dict))
+    return is_mutable_module(value) or isinstance(
+        value, (nnx.Variable, jax.Array, np.ndarray, list, dict)
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
