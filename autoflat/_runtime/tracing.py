@@ -1,9 +1,9 @@
 """The helpers that generated code calls, inside the trace: `HELPERS`.
 
 Generated code (see `autoflat.show`) calls them by the names in `HELPERS`: `unflatten` turns a
-state argument's leaves back into the user's object, `flatten` marks the state a step returns,
-which `resolved` turns into leaves of the structure it came in with once the step has returned
-(or raises, naming what changed), and `scan`
+state argument's leaves back into the user's object, `flatten` turns the state a step returns
+into leaves of the structure it came in with (or raises, naming what changed) and `resolved`
+does it again once the step has returned (after a `finally` block), and `scan`
 runs the steps of one call as a `lax.scan`, checking the leading axis of per-step inputs and
 that the state keeps its shapes and dtypes from step to step, by `lax.scan`'s own rule: a
 weakly typed leaf (made from a Python number) may come back of another dtype, and the scan
