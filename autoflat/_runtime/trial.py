@@ -93,12 +93,20 @@ class Trial:
 
     def _trace(self, roles: Roles) -> None:
         programs, step = self.programs, self.step
-        self.new = not programs.has(roles)
-        self.program = programs.get(roles)
         diag = step._diag
         stats = diag.stats
-        self.saved = (stats.traces, stats.leaf_by_leaf, diag._last_key, list(diag.changes))
-        self.saved += (diag._warned, diag._pending)
+        # (saved in one statement, before `program` is set: `settle` restores them once it is,
+        # whatever line an interrupt comes at)
+        self.saved = (
+            stats.traces,
+            stats.leaf_by_leaf,
+            diag._last_key,
+            list(diag.changes),
+            diag._warned,
+            diag._pending,
+        )
+        self.new = not programs.has(roles)
+        self.program = programs.get(roles)
         try:
             self.spec, inputs = dry_call(step, self.program, self.args)
             with capturing(self.spec) as found:
