@@ -659,7 +659,8 @@ def test_a_clone_or_a_kept_value_of_the_model_stays_valid():
 
     fast, copies = autoflat.step(train), []
     got = run(fast)
-    assert copies[1:] == [copies[0] + 1] * 2  # the model's arrays once, then none
+    if fast.pack is not True:  # (every leaf packed: packed anew from the Variables every call)
+        assert copies[1:] == [copies[0] + 1] * 2  # the model's arrays once, then none
     assert autoflat.stats(fast).fast_path >= 4
     for a, b in zip(got, run(nnx.jit(train)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -685,8 +686,9 @@ def test_tied_weights_are_not_copied_every_call_and_a_kept_one_stays_valid():
     fast = autoflat.step(tied_step)
     copies, kept, final = run(fast, keep_at=5)
     first = copies[0]
-    assert copies[1:5] == [first] * 4  # nothing copied at rest
-    assert copies[5:] == [first + 1] * 3  # the kept array's argument, once
+    if fast.pack is not True:  # (every leaf packed: packed anew from the Variables every call)
+        assert copies[1:5] == [first] * 4  # nothing copied at rest
+        assert copies[5:] == [first + 1] * 3  # the kept array's argument, once
     _, ref_kept, ref_final = run(nnx.jit(tied_step), keep_at=5)
     np.testing.assert_allclose(kept, ref_kept, rtol=1e-6)
     np.testing.assert_allclose(final, ref_final, rtol=1e-5)
