@@ -3053,7 +3053,7 @@ def test_auto_leaves_the_state_of_8_or_more_steps_a_call_unpacked_on_a_tpu(monke
     call and as 40 at 8, and give the same results as `pack=False`."""
     params, xs = _small_leaves(), jnp.linspace(0.5, 1.5, 8)
     for k, buffers in ((7, 1), (8, 40)):
-        step = autoflat.step(_scale_each_step, num_steps=k)
+        step = autoflat.step(_scale_each_step, num_steps=k, pack="auto")
         monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
         assert _main_args(step.lower(params, xs[:k]).as_text()) == buffers + 1
         got = step(params, xs[:k])
