@@ -799,6 +799,7 @@ def _count_and_switch(model, x):
     model.n = model.n + 1
     model.w[...] = model.w[...] + x.sum()
     model.eval()  # sets the Dropout's `deterministic`
+    model.seen = True  # a new plain attribute
     return model.drop(x).sum()
 
 
@@ -811,6 +812,6 @@ def test_plain_attributes_a_step_changes_reach_the_caller_as_with_nnx_jit():
     for _ in range(3):
         want = nnx.jit(_count_and_switch)(ref, jnp.ones(2))
         have = step(got, jnp.ones(2))
-    assert (got.n, float(got.w[...]), got.drop.deterministic) == (3, 6.0, True)
-    assert (ref.n, float(ref.w[...]), ref.drop.deterministic) == (3, 6.0, True)
+    assert (got.n, float(got.w[...]), got.drop.deterministic, got.seen) == (3, 6.0, True, True)
+    assert (ref.n, float(ref.w[...]), ref.drop.deterministic, ref.seen) == (3, 6.0, True, True)
     np.testing.assert_allclose(have, want)

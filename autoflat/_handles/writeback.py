@@ -156,10 +156,10 @@ def _set_static_attributes(target: Any, new: Any) -> None:
             continue
         mine = vars(node)
         for name, value in vars(other).items():
-            if name.startswith("_") or name not in mine or _holds_state(value):
+            if name.startswith("_") or _holds_state(value):
                 continue
-            if not _same(mine[name], value):
-                setattr(node, name, value)
+            if name not in mine or not _same(mine[name], value):
+                setattr(node, name, value)  # (changed, or set anew by the step)
 
 
 def _holds_state(value: Any) -> bool:
