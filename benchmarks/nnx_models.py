@@ -24,14 +24,16 @@ The train steps:
 
 - `train_step(model, optimizer, x, y)`: the mutation style of the Flax docs
   (`optimizer.update(model, grads)`, returns the loss);
-- `functional_train_step(model, optimizer, x, y)`: the same, returning
-  `model, optimizer, loss`.
+- `split_merge_step(graphdef, state, x, y)`: the same on the state of Flax's performance
+  guide's functional loop (`nnx.merge` inside, `nnx.state(...)` returned), the state a
+  plain pytree.
 
 `methods` builds the ways of running them that `report.py` compares (`harness.Method`s).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,11 +177,11 @@ def train_step(model, optimizer, x, y):
     return loss
 
 
-def functional_train_step(model, optimizer, x, y):
-    """The same step, returning the updated objects."""
-    loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    optimizer.update(model, grads)
-    return model, optimizer, loss
+def split_merge_step(graphdef, state, x, y):
+    """The same step on `nnx.split((model, optimizer))`'s state, returning the new state."""
+    model, optimizer = nnx.merge(graphdef, state)
+    loss = train_step(model, optimizer, x, y)
+    return nnx.state((model, optimizer)), loss
 
 
 def count_leaves(*objs: Any) -> dict[str, int]:
@@ -308,7 +310,8 @@ CATALOGUE: dict[str, tuple[str, Any, str]] = {
 def methods(s: Setup, keys: Sequence[str], compute_steps: int = 100) -> list[Method]:
     """The methods of `keys`: those of `CATALOGUE`; `autoflat_mut_{k}` (the mutation-style
     step, the caller's objects written back after each call as nnx.jit does);
-    `autoflat_fn_{k}` (the functional step, handles passed back); `compute` (a jitted
+    `autoflat_fn_{k}` (`split_merge_step` with the graphdef bound by a `functools.partial`,
+    the state's handles passed back); `compute` (a jitted
     `lax.scan` of `compute_steps` split/merge steps, donated: the device compute per step)."""
     out: list[Method] = []
     for key in keys:
@@ -326,10 +329,11 @@ def methods(s: Setup, keys: Sequence[str], compute_steps: int = 100) -> list[Met
             label = f"autoflat num_steps={k} (mutation style)"
             out.append(Method(key, label, lambda b=build: b(s), steps_per_call=k, note=note))
         elif key.startswith("autoflat_fn"):
-            m = harness.autoflat_method(
-                key, functional_train_step, s.fresh, " (functional, handles)"
-            )
-            out.append(m)
+            graphdef, _ = nnx.split(s.fresh())
+            step = functools.partial(split_merge_step, graphdef)
+            functools.update_wrapper(step, split_merge_step)
+            state = lambda: (nnx.split(s.fresh())[1],)  # noqa: E731
+            out.append(harness.autoflat_method(key, step, state, " (split/merge state)"))
         elif key == "compute":
             label = f"device compute (lax.scan of {compute_steps}, split/merge)"
             note = (

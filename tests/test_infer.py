@@ -3021,6 +3021,41 @@ def test_gradients_rebound_leaf_by_leaf_are_still_gradients():
     tree_allclose(got, want)
 
 
+def _get_updates(params, opt_state, batch):
+    # dm-haiku examples/mnist_pruning.py's `get_updates`: the caller applies the updates
+    # (masked) between calls
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates, opt_state = _TX.update(grads, opt_state)
+    return updates, opt_state
+
+
+def _scaled_gradients(params, batch):
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates = jax.tree.map(lambda g: -0.1 * g, grads)
+    return updates
+
+
+@pytest.mark.parametrize("fn", [_get_updates, _scaled_gradients])
+def test_an_optimizers_updates_are_not_the_new_parameters(fn):
+    """`updates, opt_state = tx.update(grads, opt_state)` and `updates = jax.tree.map(f,
+    grads)` are gradients transformed: at num_steps=4 they were matched by value as the new
+    `params` (each step's updates taken as the next step's parameters, silently). They are
+    per-step outputs, and `params` is broadcast, as in four `jax.jit` calls."""
+    params = {"w": jnp.ones(3)}
+    xs = jax.random.normal(jax.random.key(0), (4, 2, 3))
+    rest = (_TX.init(params),) if fn is _get_updates else ()
+    step = autoflat.step(fn, num_steps=4)
+    got = autoflat.unwrap(step(params, *rest, xs))
+    assert "params: broadcast" in autoflat.show(step)
+    outs, state = [], rest
+    for i in range(4):
+        out = jax.jit(fn)(params, *state, xs[i])
+        outs.append(out[0] if rest else out)
+        state = out[1:] if rest else ()
+    stacked = jax.tree.map(lambda *u: jnp.stack(u), *outs)
+    tree_allclose(got, (stacked, *state) if rest else stacked)
+
+
 def _mse(p, x, y):
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 

@@ -66,23 +66,37 @@ def _gradient_targets(
     return target
 
 
-def _mapped_over_itself(
-    assignments: list[tuple[list[cst.BaseExpression], cst.BaseExpression]],
-    names: Collection[str],
-) -> list[str]:
-    """Per assignment `n = jax.tree.map(f, n)` rebinding one of `names` from its own tree
-    alone (gradients clipped or scaled leaf by leaf), that name. Mapped with other trees
-    (`jax.tree.map(lambda g, m: beta * m + g, grads, momentum)`) it is a new value of those."""
-    found = []
-    for targets, value in assignments:
-        if not (isinstance(value, cst.Call) and _dotted(value.func)[-2:] in _TREE_MAPS):
-            continue
-        args = [a for a in value.args if a.keyword is None and not a.star]
-        tree = args[1].value if len(args) == 2 else None
-        if not isinstance(tree, cst.Name) or tree.value not in names:
-            continue
-        found += [tree.value for t in targets if isinstance(t, cst.Name) and t.value == tree.value]
-    return found
+def _derived(
+    targets: list[cst.BaseExpression], value: cst.BaseExpression, names: Collection[str]
+) -> list[tuple[str, str]]:
+    """(name bound, the gradient name it comes from) for an assignment that gives gradients
+    transformed: one of `names` mapped leaf by leaf alone (`grads = jax.tree.map(clip,
+    grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads)`), or an optimizer's updates
+    (`updates, s = tx.update(grads, s, params)`: optax's `GradientTransformation.update` and
+    its kin). Mapped with other trees (`jax.tree.map(lambda g, m: beta * m + g, grads,
+    momentum)`) it may be a new value of those: nothing."""
+    if not isinstance(value, cst.Call) or not value.args:
+        return []
+    func = _dotted(value.func)
+    args = [a for a in value.args if a.keyword is None and not a.star]
+    if func[-2:] in _TREE_MAPS:
+        tree = args[1].value if len(args) == 2 and len(args) == len(value.args) else None
+        if isinstance(tree, cst.Name) and tree.value in names:
+            return [(t.value, tree.value) for t in targets if isinstance(t, cst.Name)]
+        return []
+    first = value.args[0]
+    method = value.func.attr.value if isinstance(value.func, cst.Attribute) else None
+    if method != "update" or first.keyword or first.star:
+        return []
+    if not isinstance(first.value, cst.Name) or first.value.value not in names:
+        return []
+    return [
+        (t.elements[0].value.value, first.value.value)
+        for t in targets
+        if isinstance(t, (cst.Tuple, cst.List))
+        and len(t.elements) == 2
+        and isinstance(t.elements[0].value, cst.Name)
+    ]
 
 
 _TREE_MAPS = (["tree", "map"], ["tree_util", "tree_map"], ["jax", "tree_map"], ["tree_map"])
@@ -150,6 +164,8 @@ class Gradients:
                 for n in bound_names(_gradient_targets(t, *derivative)):
                     counts[n] = counts.get(n, 0) + 1
                     of[n] = of.get(n, frozenset()) | taken
-        for n in _mapped_over_itself(self.assignments, counts):  # `grads = tree.map(f, grads)`
-            counts[n] += 1
+        for targets, value in self.assignments:  # gradients transformed, in order
+            for n, g in _derived(targets, value, of):
+                counts[n] = counts.get(n, 0) + 1
+                of[n] = of.get(n, frozenset()) | of[g]
         return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}

@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from .._analysis.analysis import Analysis
 from .._analysis.returns import nested, unnest
+from .._handles.lazy import LazyHandle
+from .._handles.writeback import is_mutable_module
 from .options import Options as Options
 from .options import Role as Role
 from .options import check_options as check_options
-from .rules import Call, Context, decide, returned_by_name
+from .rules import Call, Context, decide, describe, returned_by_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,9 @@ class Roles:
     # value of (a weakly typed `total` beside `loss + total`), with that return position:
     # named if a later call passes the stacked outputs back there (`PER_STEP_AFTER_BROADCAST`).
     echoes: tuple[tuple[str, int], ...] = ()
+    # Flax NNX objects returned by name that the caller's own object stands for
+    # (`given_back`): written back, and returned as the caller's object.
+    given_back: tuple[str, ...] = ()
 
     def of(self, role: Role) -> tuple[str, ...]:
         return tuple(p for p, r in zip(self.params, self.roles, strict=True) if r == role)
@@ -99,8 +104,9 @@ class Roles:
 
     @property
     def written_back(self) -> tuple[str, ...]:
-        """State parameters that are not returned: the caller's objects are updated in place."""
-        returned = set(self.returned_state)
+        """State parameters whose new value is written into the caller's object: those not
+        returned, and those given back as the caller's object (`given_back`)."""
+        returned = set(self.returned_state) - set(self.given_back)
         return tuple(p for p in self.state if p not in returned)
 
 
@@ -132,12 +138,52 @@ def assign_roles(analysis: Analysis, options: Options, call: Call | None = None)
             raise AssertionError(f"no role rule decides `{p}`")
         decisions.append(decision)
     roles = tuple(d.role for d in decisions)
+    layout = _layout(analysis, ctx, roles)
+    given_back = _given_back(analysis, ctx, roles, layout)
+    reasons = tuple(
+        f"{d.why}; {describe(ctx.call.values[p])} given back as itself: its new Variable "
+        "values are written into the caller's object, which the call returns"
+        if ctx.call is not None and p in given_back
+        else d.why
+        for p, d in zip(analysis.param_names, decisions, strict=True)
+    )
     return Roles(
         params=analysis.param_names,
         roles=roles,
-        reasons=tuple(d.why for d in decisions),
+        reasons=reasons,
         rules=tuple(d.rule for d in decisions),
-        layout=_layout(analysis, ctx, roles),
+        layout=layout,
+        given_back=given_back,
+    )
+
+
+def _given_back(
+    analysis: Analysis, ctx: Context, roles: tuple[Role, ...], layout: Layout
+) -> tuple[str, ...]:
+    """The state that the caller's own object stands for where it is returned: a Flax NNX
+    object (module, optimizer, metric) passed as itself, returned by name at its position by
+    every `return` and never bound again in the body. The returned object is the one passed
+    in, changed in place, so its new Variable values are written into the caller's object
+    and the call returns that object, as `nnx.jit` does (`return model, loss`): a caller who
+    keeps using `model` and ignores what comes back sees the step's changes."""
+    call = ctx.call
+    if call is None or not call.may_mutate:
+        return ()
+    state = [p for p, r in zip(analysis.param_names, roles, strict=True) if r == "state"]
+    at = {state[i]: pos for pos, (kind, i) in enumerate(layout.entries) if kind == "state"}
+    named = {
+        p: pos
+        for p, pos in at.items()
+        if layout.kind == "tuple" or (layout.kind == "single" and not layout.whole)
+        if all(pos < len(r.names) and r.names[pos] == p for r in analysis.returns)
+    }
+    return tuple(
+        p
+        for p in state
+        if p in named
+        and p not in analysis.rebound
+        and type(call.values[p]) is not LazyHandle
+        and is_mutable_module(call.values[p])
     )
 
 

@@ -48,7 +48,8 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
             # The caller's object now holds buffers this call produced: a later call (of this
             # step or another) may donate them without a copy while they are still these.
             _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]), args[i])
-    _instance_given_back(step, program, args, handles)
+    for k, i in program.given_back_idx:
+        handles[k] = args[i]  # (returned as the caller's object, written into above)
     if hit is not None or nnx_vars:
         step._nnx.remember(
             program,
@@ -65,26 +66,6 @@ def finish(step: Any, call: Call, state_out: tuple[FlatState, ...], outputs: Any
     register_with_flax()
     step._fed_back.remember(program, args, outputs)
     return program.result(handles, outputs)
-
-
-def _instance_given_back(
-    step: Any, program: Any, args: tuple[Any, ...], handles: list[Any]
-) -> None:
-    """A method step of a Flax NNX module that returns `self` (`return self, loss`): the new
-    values are written into the instance, and the instance itself is returned, as `nnx.jit`
-    of the method does (a handle would stand for a new object that a bound method step
-    could never be given back)."""
-    i = program.instance_idx
-    if i < 0 or i not in program.state_idx or type(args[i]) is LazyHandle:
-        return
-    k = program.state_idx.index(i)
-    if type(handles[k]) is not LazyHandle or not _writeback.is_mutable_module(args[i]):
-        return
-    if any(j == k for j, _ in program.written_back_idx):
-        return
-    _writeback.write_back(args[i], handles[k], program.roles.state[k], step._analysis)
-    _writeback.record_written(LazyHandle._af_leaf_arrays(handles[k]), args[i])
-    handles[k] = args[i]
 
 
 def _real_objects(step: Any, handles: list[Any]) -> None:

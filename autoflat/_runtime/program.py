@@ -37,6 +37,7 @@ class Program:
         "static_idx",
         "static_unread",
         "written_back_idx",
+        "given_back_idx",
         "instance_idx",
         "instance_attrs",
         "instance_pos",
@@ -92,6 +93,9 @@ class Program:
         )
         # (state position, parameter index) of state written back into the caller's object.
         self.written_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.written_back)
+        # (state position, parameter index) of those among them returned as the caller's
+        # object (`Roles.given_back`).
+        self.given_back_idx = tuple((roles.state.index(p), idx[p]) for p in roles.given_back)
         # A method step's instance and the attributes its body reads (`self.lr`): when the
         # instance is a plain object (not a pytree), their values are part of the call's
         # static key, so a changed attribute recompiles instead of being frozen.

@@ -1011,7 +1011,7 @@ def _dict_state(ts, x):
 
 @claim(
     FAQ,
-    'Arrays such a walk gives out stay valid: `kept = jax.tree.leaves(params)` is copied before the next call donates the buffers, if you still hold it. Flax NNX\'s own functions write into a returned model through its handle as into the model (`nnx.update(model, state)`, an `nnx.jit` function that changes it), and the next call takes what they wrote. A state argument may hold handles that other steps returned (`step({"params": p, "opt": s}, ...)`): the call takes their objects, and they stay valid.',
+    'Arrays such a walk gives out stay valid: `kept = jax.tree.leaves(params)` is copied before the next call donates the buffers, if you still hold it. Flax NNX\'s own functions write into a returned model\'s handle as into the model (`nnx.update(model, state)`, an `nnx.jit` function that changes it), and the next call takes what they wrote. A state argument may hold handles that other steps returned (`step({"params": p, "opt": s}, ...)`): the call takes their objects, and they stay valid.',
 )
 def test_what_a_walk_gives_out_or_writes_and_handles_inside_state():
     from flax import nnx
@@ -1041,6 +1041,9 @@ def test_what_a_walk_gives_out_or_writes_and_handles_inside_state():
 
 
 def _nnx_forward(model, x):
+    from flax import nnx
+
+    model = nnx.clone(model)  # a new model: it comes back as a handle
     return model, model(x).sum()
 
 
@@ -3174,7 +3177,7 @@ def test_logging_from_a_handle_every_call_copies_the_state_every_call():
 
 @claim(
     FAQ,
-    "A walk of a returned Flax NNX model (`nnx.state(model)`, `jax.tree.map(f, model)`, an `nnx.jit` function taking it) rebuilds it too, since NNX may write into it.",
+    "A walk of a returned Flax NNX model's handle (`nnx.state(model)`, `jax.tree.map(f, model)`, an `nnx.jit` function taking it) rebuilds it too, since NNX may write into it.",
 )
 def test_walking_a_returned_nnx_model_rebuilds_it():
     from flax import nnx

@@ -152,7 +152,7 @@ def test_state_is_carried_and_comes_back_as_a_lazy_handle():
     assert autoflat.stats(step).traces == 1
 
 
-@claim(PAGE, "(or as itself, when it is one array or holds none)")
+@claim(PAGE, "(or as itself, when it is one array or holds none;")
 def test_state_of_one_array_or_no_array_comes_back_as_itself():
     def update(w, extra, tag, x):
         return w + x, extra, tag, jnp.sum(x)
@@ -2461,9 +2461,21 @@ def _rebound(params, x):
     return grads
 
 
+def _mapped_anew(params, x):
+    grads = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(params)
+    updates = jax.tree.map(lambda g: -0.1 * g, grads)
+    return updates
+
+
+def _optimizer_updates(params, x):
+    grads = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(params)
+    updates, _ = optax.sgd(0.1).update(grads, optax.sgd(0.1).init(params))
+    return updates
+
+
 @claim(
     PAGE,
-    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`; also rebound to itself mapped leaf by leaf alone, `grads = jax.tree.map(clip, grads)`, where mapped with another tree, `jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)`, it may be that tree's new value), or such a call returned as it is, does not match the parameters passed to that call, however alike",
+    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`; also mapped leaf by leaf alone, `grads = jax.tree.map(clip, grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads)`, where mapped with another tree, `jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)`, it may be that tree's new value; and an optimizer's updates of them, `updates, opt_state = tx.update(grads, opt_state)`), or such a call returned as it is, does not match the parameters passed to that call, however alike",
 )
 @claim(
     PAGE,
@@ -2479,6 +2491,8 @@ def _rebound(params, x):
         _equinox_grad,
         _nnx_grad,
         _rebound,
+        _mapped_anew,
+        _optimizer_updates,
     ],
 )
 def test_gradients_are_not_the_new_value_of_their_parameters(fn):
