@@ -39,6 +39,8 @@ What this module relies on:
 - The code of JAX's traceback filter around what a transformation returns,
   `reraise_with_filtered_traceback` in `jax/_src/traceback_util.py` (`is_transformed`: the
   name a refused wrapper is given; only a message depends on it).
+- A treedef's `node_data()` (`node_data`: the type and static data of its root node, which
+  a message shows; missing from JAX's type stubs).
 - A `jax.jit` function's type name `PjitFunction` and its `_jit_info` (`is_jax_jit`,
   `jit_info`: JAX 0.5 and later expose it), and `PartitionSpec`'s `unreduced` and
   `reduced` (`spec_extras`: newer JAX only).
@@ -399,6 +401,13 @@ EXPLICIT_AXIS: Any = getattr(getattr(jax.sharding, "AxisType", None), "Explicit"
 def axis_types(mesh: Any) -> dict[str, Any]:
     """A mesh's axis types, by axis name (empty on a JAX without them)."""
     return dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()), strict=False))
+
+
+def node_data(treedef: Any) -> tuple[Any, Any] | None:
+    """(type, static data) of a treedef's root node; None for a leaf, or where JAX has no
+    `node_data`."""
+    method = getattr(treedef, "node_data", None)
+    return None if method is None else method()
 
 
 def is_jax_jit(fn: Any) -> bool:

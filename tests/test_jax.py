@@ -323,3 +323,9 @@ def test_single_device_shardings():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
     named = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     assert not _jax.is_single_device(named)
+
+
+def test_node_data():
+    kind, data = _jax.node_data(jax.tree.structure({"b": 1, "a": 2}))
+    assert kind is dict and tuple(data) == ("a", "b")
+    assert _jax.node_data(jax.tree.structure(1)) is None  # a leaf

@@ -101,6 +101,31 @@ def test_a_leaf_added_or_removed_in_scan_is_named_by_its_path():
         autoflat.step(drop, num_steps=2)(s, jnp.ones(2))
 
 
+def test_a_static_field_changed_in_scan_is_named_by_its_node():
+    """A change of a node's static data (a Flax NNX module's Python int attribute counted up
+    in the step) names the node and shows its static data before and after, not the whole
+    tree structures."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.n = 3
+
+    def count(model, x):
+        model.n = model.n + 1
+        return model.lin(x).sum()
+
+    model = Counted()
+    with pytest.raises(autoflat.ShapeError) as info:
+        autoflat.step(count, num_steps=2)(model, jnp.ones((2, 2)))
+    message = str(info.value)
+    assert "  model: the static data of this " in message
+    assert "3))\n  became:\n" in message and message.count("4))") == 1
+    assert "PyTreeDef" not in message
+    assert model.n == 3  # nothing was written back
+
+
 def test_shape_change_in_scan():
     def widen(state, x):
         state = jnp.concatenate([state, x[None]])

@@ -321,6 +321,9 @@ def describe_difference(
         if lines:
             more = f"\n  ... ({len(lines) - 10} more)" if len(lines) > 10 else ""
             return "\n".join(lines[:10]) + more
+        node = _node_difference(_dummy(before), _dummy(after))
+        if node is not None:
+            return f"  {name}{node}"
         return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
     lines = []
     b_leaves = before.all_leaves(
@@ -343,10 +346,46 @@ def describe_difference(
     return "\n".join(lines[:10]) or "  (no difference found in structure, shapes or dtypes)"
 
 
+def _node_difference(before: Any, after: Any, path: str = "") -> str | None:
+    """Where two trees of placeholder leaves (`_dummy`) with the same leaf paths first
+    differ: the node whose type or static data changed (a Flax NNX module's Python int
+    attribute, a flag `model.eval()` set), with its path and both, shortened."""
+    b = _jax.node_data(jax.tree.structure(before))
+    a = _jax.node_data(jax.tree.structure(after))
+    if b is None or a is None:
+        return None
+    if b != a:
+        kind = getattr(b[0], "__qualname__", str(b[0]))
+        if b[0] is not a[0]:
+            return f"{path}: a {kind} became a {getattr(a[0], '__qualname__', a[0])}"
+        return (
+            f"{path}: the static data of this {kind} changed (not an array: part of the "
+            f"structure):\n    {_short(b[1])}\n  became:\n    {_short(a[1])}"
+        )
+    one_level = lambda root: jax.tree_util.tree_flatten_with_path(  # noqa: E731
+        root, is_leaf=lambda y: y is not root
+    )[0]
+    for (key, cb), (_, ca) in zip(one_level(before), one_level(after), strict=False):
+        found = _node_difference(cb, ca, path + jax.tree_util.keystr(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _paths(structure: Structure) -> list[str]:
     """The path of every leaf of a value of `structure`, as `jax.tree_util.keystr` writes it."""
-    dummy = structure.treedef.unflatten(list(range(len(structure.static_leaves))))
-    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+    paths = jax.tree_util.tree_flatten_with_path(_dummy(structure))[0]
+    return [jax.tree_util.keystr(p) for p, _ in paths]
+
+
+def _dummy(structure: Structure) -> Any:
+    """A value of `structure` with placeholder leaves (their positions)."""
+    return structure.treedef.unflatten(list(range(len(structure.static_leaves))))
 
 
 def static_changed(before: Structure, after: Structure) -> bool:
