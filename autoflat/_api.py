@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeVar, overload
 
 from . import _caches
+from ._analysis.source import jit_static_names, jitted_method
 from ._errors import NOT_A_STEP, CallError
 from ._runtime.diagnostics import Stats
 from ._runtime.profile import Profile, measure
@@ -145,13 +146,18 @@ def step(
     ```
     """
 
-    def make(fn: Callable[..., Any]) -> Any:
+    def make(fn: Callable[..., Any], jit_static: frozenset[str] = frozenset()) -> Any:
+        method = jitted_method(fn)
+        if method is not None:
+            # `jax.jit(self.update)` as jaxopt's solvers hold it: the method, as a method step
+            # (its jit's static arguments static here too)
+            return make(method, jit_static_names(fn))
         if inspect.ismethod(fn) or _bound_method(fn):
             # `autoflat.step(self.train_step)`, as `jax.jit` takes it: the method's function
             # as a method step, reached through its instance (as decorating it in the class).
             # An Equinox module's methods are bound by Equinox's own `BoundMethod`.
             bound: Any = fn
-            return make(bound.__func__).__get__(bound.__self__)
+            return make(bound.__func__, jit_static).__get__(bound.__self__)
         if (
             not inspect.isroutine(fn)
             and not isinstance(fn, (functools.partial, Step))
@@ -167,7 +173,7 @@ def step(
             num_steps=num_steps,
             state=state,
             broadcast=broadcast,
-            static_argnames=static_argnames,
+            static_argnames=_with_names(static_argnames, jit_static),
             per_step=per_step,
             donate=donate,
             unroll=unroll,
@@ -178,6 +184,14 @@ def step(
     if fn is _sentinel:
         return make
     return make(fn)
+
+
+def _with_names(names: str | Iterable[str] | None, more: frozenset[str]) -> Any:
+    """`static_argnames=` with the names of `more` added (None stays None without them)."""
+    if not more:
+        return names
+    given = [names] if isinstance(names, str) else list(names or ())
+    return [*given, *sorted(more - set(given))]
 
 
 def _bound_method(fn: Any) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import inspect
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -1081,6 +1081,39 @@ def test_a_return_of_one_call_that_gives_a_tuple(fn, declared, k):
         f"{indent}return (_af_flatten(_af_spec, 0, _af_ret0), _af_flatten(_af_spec, 1, _af_ret1)),"
         " (_af_ret2,)\n"
     ) in shown
+
+
+class _OptStep(NamedTuple):  # jaxopt's `base.OptStep`
+    params: Any
+    state: Any
+
+
+def _solver_update(params, state, x):
+    g = jax.grad(lambda p: jnp.sum((p - x) ** 2))(params)
+    return _OptStep(params=params - 0.1 * g, state=state + 1)
+
+
+def _returns_an_opt_step(params, state, x):
+    return _solver_update(params, state, x)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_named_tuple_returned_whole_has_its_items_as_positions(k):
+    """A step returning a NamedTuple (a jaxopt solver's `update` returns `OptStep(params,
+    state)`): its items are the return positions, as a plain tuple's, and the call returns
+    the same NamedTuple class (it was an `OptionError` at num_steps=4)."""
+    xs = jnp.arange(12.0).reshape(4, 3)
+    p, s = jnp.zeros(3), jnp.asarray(0)
+    for i in range(4):
+        p, s = jax.jit(_returns_an_opt_step)(p, s, xs[i])
+    step = autoflat.step(_returns_an_opt_step, num_steps=k)
+    got = (jnp.zeros(3), jnp.asarray(0))
+    for i in range(0, 4, k):
+        got = step(*got, xs[i] if k == 1 else xs[i : i + k])
+        assert type(got) is _OptStep
+    tree_allclose(tuple(got), (p, s))
+    if k > 1:  # (at one step a call, as under `jax.jit`, nothing needs carrying)
+        assert "_af_ret0, _af_ret1 = _solver_update(params, state, x)" in autoflat.show(step)
 
 
 def test_a_return_of_one_call_whose_tuple_holds_no_state_is_one_output():
@@ -3054,6 +3087,33 @@ def test_an_optimizers_updates_are_not_the_new_parameters(fn):
         state = out[1:] if rest else ()
     stacked = jax.tree.map(lambda *u: jnp.stack(u), *outs)
     tree_allclose(got, (stacked, *state) if rest else stacked)
+
+
+class _HandWrittenSGD:
+    """An optimizer whose `update` gives the new parameters (not optax's updates)."""
+
+    def update(self, grads, state, params):
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return new, state + 1
+
+
+def _hand_written_update(params, opt_state, batch):
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    new_params, opt_state = _HandWrittenSGD().update(grads, opt_state, params)
+    return new_params, opt_state
+
+
+def test_a_hand_written_optimizers_update_giving_new_parameters_is_matched():
+    """`new_params, opt_state = opt.update(grads, opt_state, params)` where `update` gives
+    the new parameters (its last operation takes `params`' own arrays): state, as in a
+    `jax.jit` loop; optax's updates (taking no parameter's arrays last) are not."""
+    params, xs = {"w": jnp.ones(3)}, jax.random.normal(jax.random.key(0), (4, 2, 3))
+    want = (params, jnp.asarray(0))
+    for i in range(4):
+        want = jax.jit(_hand_written_update)(*want, xs[i])
+    step = autoflat.step(_hand_written_update, num_steps=4)
+    tree_allclose(autoflat.unwrap(step(params, jnp.asarray(0), xs)), want)
+    assert "# params: state (matched by value to return position 0)" in autoflat.show(step)
 
 
 def _mse(p, x, y):

@@ -405,3 +405,34 @@ def test_a_flax_nnx_method_that_returns_self_updates_and_returns_the_instance(k)
         assert back is got
     assert int(got.count[...]) == 8
     tree_allclose(nnx.state(got), nnx.state(ref), rtol=1e-6)
+
+
+class _Solver:
+    """As jaxopt's solvers: `__post_init__` holds `self.update = jax.jit(self.update)`."""
+
+    lr = 0.1
+
+    def __init__(self):
+        self.update = jax.jit(self.update)
+
+    def update(self, params, x):
+        g = jax.grad(lambda p: jnp.sum((p - x) ** 2))(params)
+        return params - self.lr * g
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_jax_jit_of_a_bound_method_is_the_method_step(k):
+    """`autoflat.step(jax.jit(solver.update))`, or jaxopt's jitted `solver.update` itself,
+    is the method as a method step (it was a SourceError: "it is a method")."""
+    solver = _Solver()
+    xs = jnp.arange(12.0).reshape(4, 3)
+    want = jnp.zeros(3)
+    for x in xs:
+        want = solver.update(want, x)
+    for wrapped in (solver.update, jax.jit(_Solver.update.__get__(solver))):
+        step = autoflat.step(wrapped, num_steps=k)
+        got = jnp.zeros(3)
+        for i in range(0, 4, k):
+            got = step(got, xs[i] if k == 1 else xs[i : i + k])
+        np.testing.assert_allclose(autoflat.unwrap(got), want, rtol=1e-6)
+        assert "# self: broadcast (the method's instance" in autoflat.show(step)

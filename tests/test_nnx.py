@@ -168,6 +168,62 @@ def test_nnx_objects_returned_by_name_are_the_callers_own_updated(k):
     assert "model: state (returned; a Model given back as itself" in autoflat.show(step)
 
 
+def _adds_a_head(model, x):
+    model.l1.kernel[...] = model.l1.kernel[...] * 0.5
+    if not hasattr(model, "head"):
+        model.head = nnx.Linear(3, 2, rngs=nnx.Rngs(5))
+    return model.head(model(x)).sum()
+
+
+def _adds_a_head_and_returns_it(model, x):
+    return model, _adds_a_head(model, x)
+
+
+@pytest.mark.parametrize("fn", [_adds_a_head, _adds_a_head_and_returns_it])
+def test_a_submodule_the_step_adds_reaches_the_callers_model(fn):
+    """A step that adds a submodule at its first call (`model.head = nnx.Linear(...)`):
+    the caller's model has it afterwards, as under `nnx.jit` (the write-back raised Flax's
+    "Found data ... assigned to static attribute" after writing part of the state)."""
+    xs, _ = _data(3)
+    ref_model, got_model = Model(nnx.Rngs(0, dropout=1)), Model(nnx.Rngs(0, dropout=1))
+    ref_model.eval(), got_model.eval()
+    step = autoflat.step(fn)
+    for i in range(3):
+        want, got = nnx.jit(fn)(ref_model, xs[i]), step(got_model, xs[i])
+        if fn is _adds_a_head_and_returns_it:
+            assert got[0] is got_model
+            want, got = want[1], got[1]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert isinstance(got_model.head, nnx.Linear)
+    _assert_same([got_model], [ref_model])
+
+
+def test_a_model_given_back_after_a_call_with_a_handle_is_the_callers_own():
+    """A step first called with another step's handle of a model, then with a model of the
+    same class: the second is the caller's own object, given back (the roles settled for
+    the handle, which is no caller's object, were reused, and the model stayed stale)."""
+
+    def cloned(model, x):
+        model = nnx.clone(model)
+        return model, model(x).sum()
+
+    def bump(model, x):
+        model.l2.bias[...] = model.l2.bias[...] + 1.0
+        return model, model(x).sum()
+
+    xs, _ = _data(2)
+    model, _, _ = make()
+    model.eval()
+    handle, _ = autoflat.step(cloned)(model, xs[0])
+    step = autoflat.step(bump)
+    assert type(step(handle, xs[0])[0]) is autoflat.LazyHandle
+    other, _, _ = make()
+    other.eval()
+    back, _ = step(other, xs[1])
+    assert back is other
+    np.testing.assert_allclose(other.l2.bias[...], np.ones(3))
+
+
 def test_an_nnx_model_the_step_builds_anew_comes_back_as_a_handle():
     """A model the body builds (`model = nnx.clone(model)`) is a new object, as under
     `nnx.jit`: it comes back as a handle, and the caller's object is left as it was."""

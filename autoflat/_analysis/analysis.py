@@ -149,7 +149,7 @@ def _describe_return(
     if value is None or (isinstance(value, cst.Name) and value.value == "None"):
         return Return(line, "none", ())
     reading = Gradients(visitor.assignments, visitor.bindings, visitor.takes)
-    gradients = reading.of_names()
+    gradients, updated = reading.of_names(), reading.updates()
 
     def gradient_of(el: cst.BaseExpression) -> frozenset[str] | None:
         """The parameters `el` holds gradients at, if it holds gradients."""
@@ -161,7 +161,7 @@ def _describe_return(
 
     if isinstance(value, cst.Tuple):
         names: list[str | None] = []
-        grads = []
+        grads, updates = [], []
         for i, el in enumerate(flat_elements(value, nest)):
             if el is None:
                 names.append(None)
@@ -170,13 +170,19 @@ def _describe_return(
                 of = gradient_of(el)
                 if of:
                     grads.append((i, tuple(sorted(of))))
-        return Return(line, "tuple", tuple(names), gradients=tuple(grads), nest=nest)
+                if isinstance(el, cst.Name) and updated.get(el.value):
+                    updates.append((i, tuple(sorted(updated[el.value]))))
+        return Return(
+            line, "tuple", tuple(names), gradients=tuple(grads), updates=tuple(updates), nest=nest
+        )
     of = gradient_of(value)
+    up = updated.get(value.value) if isinstance(value, cst.Name) else None
     return Return(
         line,
         "single",
         (value.value if isinstance(value, cst.Name) else None,),
         gradients=((0, tuple(sorted(of))),) if of else (),
+        updates=((0, tuple(sorted(up))),) if up else (),
         derivative=isinstance(value, cst.Call) and reading.derivative(value) is not None,
     )
 

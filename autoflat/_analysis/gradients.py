@@ -66,29 +66,39 @@ def _gradient_targets(
     return target
 
 
-def _derived(
+def _mapped_alone(
     targets: list[cst.BaseExpression], value: cst.BaseExpression, names: Collection[str]
 ) -> list[tuple[str, str]]:
-    """(name bound, the gradient name it comes from) for an assignment that gives gradients
-    transformed: one of `names` mapped leaf by leaf alone (`grads = jax.tree.map(clip,
-    grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads)`), or an optimizer's updates
-    (`updates, s = tx.update(grads, s, params)`: optax's `GradientTransformation.update` and
-    its kin). Mapped with other trees (`jax.tree.map(lambda g, m: beta * m + g, grads,
+    """(name bound, the name it comes from) for one of `names` mapped leaf by leaf alone
+    (`grads = jax.tree.map(clip, grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads,
+    is_leaf=...)`). Mapped with other trees (`jax.tree.map(lambda g, m: beta * m + g, grads,
     momentum)`) it may be a new value of those: nothing."""
-    if not isinstance(value, cst.Call) or not value.args:
+    if not isinstance(value, cst.Call) or _dotted(value.func)[-2:] not in _TREE_MAPS:
         return []
-    func = _dotted(value.func)
-    args = [a for a in value.args if a.keyword is None and not a.star]
-    if func[-2:] in _TREE_MAPS:
-        tree = args[1].value if len(args) == 2 and len(args) == len(value.args) else None
-        if isinstance(tree, cst.Name) and tree.value in names:
-            return [(t.value, tree.value) for t in targets if isinstance(t, cst.Name)]
+    if any(a.star or (a.keyword is not None and a.keyword.value != "is_leaf") for a in value.args):
         return []
-    first = value.args[0]
-    method = value.func.attr.value if isinstance(value.func, cst.Attribute) else None
-    if method != "update" or first.keyword or first.star:
+    args = [a for a in value.args if a.keyword is None]
+    tree = args[1].value if len(args) == 2 else None
+    if not isinstance(tree, cst.Name) or tree.value not in names:
         return []
-    if not isinstance(first.value, cst.Name) or first.value.value not in names:
+    return [(t.value, tree.value) for t in targets if isinstance(t, cst.Name)]
+
+
+def _optimizer_update(
+    targets: list[cst.BaseExpression], value: cst.BaseExpression, names: Collection[str]
+) -> list[tuple[str, str]]:
+    """(name bound, the name it comes from) for `u, s = tx.update(grads, s, params)` with
+    one of `names` as the first argument (or `updates=`, optax's name for it): an optax
+    optimizer's updates, or a hand-written optimizer's new parameters, which only the
+    step's data flow tells apart."""
+    if not isinstance(value, cst.Call) or not isinstance(value.func, cst.Attribute):
+        return []
+    if value.func.attr.value != "update" or not value.args or value.args[0].star:
+        return []
+    keyword = value.args[0].keyword
+    given = [a for a in value.args if a.keyword is not None and a.keyword.value == "updates"]
+    first = value.args[0] if keyword is None else given[0] if given else None
+    if first is None or not isinstance(first.value, cst.Name) or first.value.value not in names:
         return []
     return [
         (t.elements[0].value.value, first.value.value)
@@ -153,8 +163,19 @@ class Gradients:
     def of_names(self) -> dict[str, frozenset[str]]:
         """The names of the own scope that every binding binds to gradients, each with the
         parameters they are gradients at."""
+        return self._readings()[0]
+
+    def updates(self) -> dict[str, frozenset[str]]:
+        """The names every binding binds to what an optimizer's `update` gives for gradients
+        (`updates, opt_state = tx.update(grads, opt_state)`), each with the parameters the
+        gradients are taken at: an optax optimizer's updates, or a hand-written one's new
+        parameters (`infer` asks the data flow)."""
+        return self._readings()[1]
+
+    def _readings(self) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]]]:
         counts: dict[str, int] = {}
         of: dict[str, frozenset[str]] = {}
+        updated: dict[str, frozenset[str]] = {}
         for targets, value in self.assignments:
             derivative = self.derivative(value)
             if derivative is None or not isinstance(value, cst.Call):
@@ -165,7 +186,13 @@ class Gradients:
                     counts[n] = counts.get(n, 0) + 1
                     of[n] = of.get(n, frozenset()) | taken
         for targets, value in self.assignments:  # gradients transformed, in order
-            for n, g in _derived(targets, value, of):
+            for n, g in _mapped_alone(targets, value, of.keys() | updated.keys()):
                 counts[n] = counts.get(n, 0) + 1
-                of[n] = of.get(n, frozenset()) | of[g]
-        return {n: of[n] for n, c in counts.items() if c == self.bindings.get(n)}
+                into = updated if g in updated else of
+                into[n] = into.get(n, frozenset()) | into[g]
+            for n, g in _optimizer_update(targets, value, of.keys() | updated.keys()):
+                counts[n] = counts.get(n, 0) + 1
+                updated[n] = updated.get(n, frozenset()) | of.get(g, updated.get(g, frozenset()))
+        full = {n for n, c in counts.items() if c == self.bindings.get(n)}
+        grads = {n: of[n] for n in full if n in of and n not in updated}
+        return grads, {n: updated[n] for n in full if n in updated}

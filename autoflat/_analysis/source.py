@@ -111,6 +111,22 @@ def _unwrap(fn: Any) -> tuple[Callable[..., Any], Bound]:
     return fn, Bound(args, keywords)
 
 
+def jitted_method(fn: Any) -> Any | None:
+    """The bound method inside a `jax.jit` (`eqx.filter_jit`, `nnx.jit`) of it (jaxopt's
+    solvers hold `self.update = jax.jit(self.update)`), or None. A jit with options autoflat
+    cannot take raises, as around a function."""
+    wrapped = getattr(fn, "__wrapped__", None)
+    if _jit_kind(fn) is None or not (
+        inspect.ismethod(wrapped) or hasattr(wrapped, "__self__") and hasattr(wrapped, "__func__")
+    ):
+        return None
+    options = _jit_options(fn)
+    if options:
+        at = location_of(_innermost(wrapped))
+        raise error(SourceError, JIT_OPTIONS, at, options=options, wrapper=_jit_kind(fn))
+    return wrapped
+
+
 def _jit_kind(fn: Any) -> str | None:
     """`jax.jit`, `eqx.filter_jit` or `nnx.jit` if `fn` is one of them, else None."""
     if _jax.is_jax_jit(fn):

@@ -137,16 +137,18 @@ def write_back(target: Any, new: Any, param: str, analysis: Analysis) -> None:
         from flax import nnx
 
         obj = LazyHandle._af_get(new)
+        _set_static_attributes(target, obj)  # (first: a new submodule is then updated too)
         nnx.update(target, nnx.state(obj))
-        _set_static_attributes(target, obj)
         return
     _assign_into(target, LazyHandle._af_get(new), param, "", analysis)
 
 
 def _set_static_attributes(target: Any, new: Any) -> None:
     """Flax NNX: the attributes that are not Variables, modules or arrays (`self.n += 1` on a
-    Python int, `deterministic` set by `model.eval()`) that the step changed, set in the
-    caller's own modules, as `nnx.jit` leaves them (`nnx.update` sets Variables only)."""
+    Python int, `deterministic` set by `model.eval()`) that the step changed, and any
+    attribute it set anew (a submodule or Variable it added: `model.head = nnx.Linear(...)`),
+    set in the caller's own modules, as `nnx.jit` leaves them (`nnx.update` sets the
+    Variables the caller's modules have)."""
     from flax import nnx
 
     nodes = dict(nnx.iter_graph(new))
@@ -156,10 +158,10 @@ def _set_static_attributes(target: Any, new: Any) -> None:
             continue
         mine = vars(node)
         for name, value in vars(other).items():
-            if name.startswith("_") or _holds_state(value):
+            if name.startswith("_"):
                 continue
-            if name not in mine or not _same(mine[name], value):
-                setattr(node, name, value)  # (changed, or set anew by the step)
+            if name not in mine or not (_holds_state(value) or _same(mine[name], value)):
+                setattr(node, name, value)  # (set anew by the step, or changed)
 
 
 def _holds_state(value: Any) -> bool:

@@ -197,7 +197,7 @@ def _refuse_spread_flat(run: Run) -> None:
     assert first is not None and outputs
     if first.kind == "single" and type(outputs[0]) is tuple and not given_back:
         first = dataclasses.replace(
-            first, kind="tuple", names=(None,) * len(outputs[0]), gradients=()
+            first, kind="tuple", names=(None,) * len(outputs[0]), gradients=(), updates=()
         )
         outputs = list(outputs[0])
     elif first.kind != "tuple" or first.nest is not None:

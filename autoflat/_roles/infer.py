@@ -62,6 +62,7 @@ from .._errors import (
     error,
 )
 from .._handles.nnx import opaque_module
+from .._handles.writeback import is_mutable_module
 from .._transport.structure import is_array
 from . import matching as _matching
 from . import names as _names
@@ -105,8 +106,17 @@ class Inferred:
 
 
 def arg_kinds(args: tuple[Any, ...], handle_type: type) -> tuple[Any, ...]:
-    """What selects the inferred roles of a call: each argument's type (a handle's object's)."""
-    return tuple(a.__class__ if type(a) is handle_type else type(a) for a in args)
+    """What selects the inferred roles of a call: each argument's type (a handle's object's,
+    but for a Flax NNX object's handle, which is not the caller's own object to give back:
+    `Roles.given_back`)."""
+    return tuple(
+        type(a)
+        if type(a) is not handle_type
+        else (handle_type, a.__class__)
+        if is_mutable_module(a)
+        else a.__class__
+        for a in args
+    )
 
 
 def infer(
@@ -174,6 +184,7 @@ class Inference:
         self.unpacked = 0
         self.whole = False  # the whole return is one parameter's new value (`whole_return`)
         self.keys: tuple[Any, ...] = ()  # a returned dict's, when its items are the positions
+        self.named: type | None = None  # a returned NamedTuple's class, likewise
         self.state_at = dict(options.state_at)
         self.matched: dict[str, tuple[int, str]] = {}  # rule 3
         self.by_value: dict[str, int] = {}  # of those, matched by abstract value alone
@@ -313,13 +324,17 @@ class Inference:
         first, state_at = self.first, self.state_at
         if state_at and first is not None and first.kind == "single":
             out = self.evaluate()
-            if type(out) is tuple and not (
-                set(state_at.values()) == {0}
-                and all(same_value(self.values[p], out) for p in state_at)
+            if (
+                _matching.unpackable(out)
+                and not isinstance(out, dict)
+                and not (
+                    set(state_at.values()) == {0}
+                    and all(same_value(self.values[p], out) for p in state_at)
+                )
             ):
-                self.unpacked = len(out)
+                self.unpacked, self.named = len(out), _matching.named_tuple(out)
                 first = dataclasses.replace(
-                    first, kind="tuple", names=(None,) * self.unpacked, gradients=()
+                    first, kind="tuple", names=(None,) * self.unpacked, gradients=(), updates=()
                 )
                 self.first = first
         arity = 0 if first is None or first.kind == "none" else len(first.names)
@@ -408,7 +423,9 @@ class Inference:
             # (some item's last operation takes its parameter's own arrays, `p + u`), not for
             # `return jax.value_and_grad(loss)(params, x)`, whose gradients look like params
             # (and whose last operation may take them: the gradient of `p ** 2`).
-            each = dataclasses.replace(first, kind="tuple", names=(None,) * len(out), gradients=())
+            each = dataclasses.replace(
+                first, kind="tuple", names=(None,) * len(out), gradients=(), updates=()
+            )
             if isinstance(out, dict):  # its keys sorted, as `jax.jit` returns the dict
                 keys = tuple(sorted(out))
                 names = tuple(k if isinstance(k, str) else None for k in keys)
@@ -421,7 +438,7 @@ class Inference:
             direct = self.flow_of(each)() if by_value else []
             if any(p in direct[pos].direct for p, (pos, _) in by_value.items()):
                 counters, self.unpacked, self.first = found, len(contents), each
-                self.keys = each.keys
+                self.keys, self.named = each.keys, _matching.named_tuple(out)
                 self.open_positions, outputs = items, contents
             else:
                 by_value = {}
@@ -447,7 +464,9 @@ class Inference:
             return
         self._added = None  # (read at the tuple's positions)
         self.whole = True
-        self.first = dataclasses.replace(first, kind="single", names=(None,), gradients=())
+        self.first = dataclasses.replace(
+            first, kind="single", names=(None,), gradients=(), updates=()
+        )
         self.matched[p] = (0, "the whole return: its items are the tuple's, one by one")
         self.pending.remove(p)
         self.open_positions, self.outputs = [], [tuple(outputs)]
@@ -521,6 +540,15 @@ class Inference:
             self.analysis, params, values, self.pending, left, outs, self.declared, places,
             alike, self.flow_of(returned), returned.names, self.gradients(),
         )  # fmt: skip
+        updates: dict[int, set[str]] = {}
+        for pos, at in returned.updates:
+            updates.setdefault(pos, set()).update(at)
+        for p, (pos, _) in list(by_value.items()):
+            if p in updates.get(pos, ()) and p not in self.flow_of(returned)()[pos].direct:
+                # An optimizer's updates at `p`'s gradients (`updates, opt_state =
+                # tx.update(grads, opt_state)`) whose last operation does not take `p`'s own
+                # arrays: optax's updates, not a hand-written optimizer's `p - lr * g`.
+                del by_value[p]
         instance = self.options.instance
         if (
             instance in by_value
@@ -631,6 +659,7 @@ class Inference:
             unpacked=self.unpacked,
             whole=self.whole,
             keys=self.keys,
+            named=self.named,
         )
         roles = assign_roles(self.analysis, self.options, call)
         if self.num_steps > 1 and self.outputs:

@@ -405,10 +405,17 @@ def places(carried: list[str], returned: Return) -> dict[str, int]:
 
 
 def unpackable(out: Any) -> bool:
-    """A tuple, or a dict keyed by strings or ints (keys the generated code can spell)."""
-    if type(out) is tuple:
+    """A tuple (a NamedTuple too: jaxopt's `OptStep`), or a dict keyed by strings or ints
+    (keys the generated code can spell)."""
+    if type(out) is tuple or named_tuple(out) is not None:
         return True
     return type(out) is dict and all(type(k) in (str, int) for k in out)
+
+
+def named_tuple(out: Any) -> type | None:
+    """The NamedTuple class of `out`, or None."""
+    t = type(out)
+    return t if isinstance(out, tuple) and isinstance(getattr(t, "_fields", None), tuple) else None
 
 
 def is_key(value: Any) -> bool:

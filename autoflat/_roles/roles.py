@@ -41,6 +41,7 @@ class Layout:
     nest: tuple[Any, ...] | None = None  # "tuple": the tuples looked into (`Return.nest`)
     # "single" from a `return a, b` whose whole tuple is one state parameter's new value
     whole: bool = False
+    named: type | None = None  # "unpacked" from a NamedTuple: its class
 
     def build(self, items: list[Any]) -> Any:
         """The user's return value from its positions' `items`."""
@@ -48,6 +49,8 @@ class Layout:
             return None
         if self.keys:
             return dict(zip(self.keys, items, strict=True))
+        if self.named is not None:
+            return self.named(*items)
         return items[0] if self.kind == "single" else nested(self.nest, items)
 
     def positions(self, value: Any) -> list[Any]:
@@ -220,4 +223,5 @@ def _layout(analysis: Analysis, ctx: Context, roles: tuple[Role, ...]) -> Layout
             else:
                 entries.append(("out", sum(1 for k, _ in entries if k == "out")))
     nest = first.nest if first is not None and kind == "tuple" else None
-    return Layout(kind, tuple(entries), call.keys if call is not None else (), nest, whole)
+    named = call.named if call is not None and kind == "unpacked" else None
+    return Layout(kind, tuple(entries), call.keys if call is not None else (), nest, whole, named)

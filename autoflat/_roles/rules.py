@@ -62,6 +62,7 @@ class Call:
     # dict its keys (`Layout`).
     unpacked: int = 0
     keys: tuple[Any, ...] = ()
+    named: type | None = None  # a NamedTuple's class, whose items are the return positions
     # The whole `return a, b` is one parameter's new value (`Inference.whole_return`).
     whole: bool = False
 

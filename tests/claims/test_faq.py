@@ -335,7 +335,11 @@ def _counted(w, x, n):
 
 @claim(
     FAQ,
-    "A step already wrapped by `jax.jit`, `eqx.filter_jit` or `nnx.jit` is taken as its function (autoflat compiles it itself).",
+    "A step already wrapped by `jax.jit`, `eqx.filter_jit` or `nnx.jit` is taken as its function (autoflat compiles it itself)",
+)
+@claim(
+    FAQ,
+    "a `jax.jit` of a bound method (jaxopt's solvers hold `self.update = jax.jit(self.update)`) as the method step.",
 )
 def test_a_step_wrapped_by_a_jit_is_taken_as_its_function():
     from flax import nnx
@@ -347,6 +351,18 @@ def test_a_step_wrapped_by_a_jit_is_taken_as_its_function():
         np.testing.assert_allclose(s["w"], [2.0, 2.0])
         assert "generated from `add`" in autoflat.show(step)
         assert "# state: state (returned)" in header(step)
+
+    class Solver:
+        def __init__(self):
+            self.update = jax.jit(self.update)
+
+        def update(self, state, x):
+            return add(state, x)
+
+    step = autoflat.step(Solver().update)
+    s = step(step({"w": jnp.zeros(2)}, jnp.ones(2)), jnp.ones(2))
+    np.testing.assert_allclose(s["w"], [2.0, 2.0])
+    assert "# self: broadcast (the method's instance" in header(step)
 
 
 @claim(

@@ -2475,7 +2475,7 @@ def _optimizer_updates(params, x):
 
 @claim(
     PAGE,
-    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`; also mapped leaf by leaf alone, `grads = jax.tree.map(clip, grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads)`, where mapped with another tree, `jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)`, it may be that tree's new value; and an optimizer's updates of them, `updates, opt_state = tx.update(grads, opt_state)`), or such a call returned as it is, does not match the parameters passed to that call, however alike",
+    "gradients are not the new value of the parameters they are taken at: a returned name only ever bound to what a gradient transformation's function gives (`loss, grads = jax.value_and_grad(loss_fn)(params, x)`, also through `grad_fn = jax.value_and_grad(...)`, with `has_aux` by name or by position, or `eqx.filter_grad` and `nnx.grad`; also mapped leaf by leaf alone, `grads = jax.tree.map(clip, grads)`, `updates = jax.tree.map(lambda g: -lr * g, grads)`, where mapped with another tree, `jax.tree.map(lambda g, m: 0.9 * m + g, grads, momentum)`, it may be that tree's new value; and an optimizer's updates of them, `updates, opt_state = tx.update(grads, opt_state)`, unless the operation making them last takes the parameters' own arrays, as a hand-written optimizer's `update` giving `p - lr * g` does), or such a call returned as it is, does not match the parameters passed to that call, however alike",
 )
 @claim(
     PAGE,
