@@ -178,7 +178,9 @@ body:
     def update(...): ...
 
 (`jax.jit`, `eqx.filter_jit` and `nnx.jit` without options may stay under it: autoflat compiles
-the step itself.)
+the step itself.) A type checker's decorator (jaxtyping's `@jaxtyped`, `@beartype`) takes a
+plain function, and with `num_steps > 1` the step's arguments carry the steps' axis: keep it
+on the functions the step calls (a checked loss function) instead.
 """
 
 JIT_OPTIONS = """\
@@ -782,6 +784,21 @@ pytree, which would split the Variable into two copies that are updated apart.
 Shared Variables work between NNX objects that the step mutates and does not return (an
 optimizer holding the model's Variables, a submodule stored twice, tied weights), as with
 `nnx.jit`: return neither object, or reach each Variable from one argument only.
+"""
+
+PER_STEP_BY_SHAPE_NOTE = """\
+autoflat read {names} as per-step by the leading axis alone ({num_steps} = num_steps): each \
+step saw one slice of {them}. If {which} the same for every step (a full batch, a table), \
+say so: @autoflat.step(num_steps={num_steps}, broadcast={declared})"""
+
+NNX_SHARED_ANEW = """\
+`{name}` ({where}): the step leaves one Flax NNX node reachable as `{first}` and as \
+`{second}` (stored twice, as `model.b = model.a` does) in state that came in without it. \
+autoflat carries that state across `jax.jit` as a pytree, which would split the node into \
+two copies, updated apart from the next call on.
+
+Store it twice before the first call (`model.b = model.a` outside the step): sharing that
+the state comes in with is kept, as with `nnx.jit`.
 """
 
 NNX_NESTED = """\

@@ -987,3 +987,27 @@ def test_numpy_float64_arguments_are_silent_as_under_jax_jit(k, donate):
     np.testing.assert_allclose(p["w"], ref_p["w"], rtol=1e-6)
     np.testing.assert_allclose(totals["sum"], np.sum(xs), rtol=1e-6)
     assert params["w"].dtype == np.float64  # the caller's arrays are untouched
+
+
+def _uses_a_table(w, table, x):
+    return w + table.sum(axis=1).mean() * x, (w * x).sum()
+
+
+@pytest.mark.parametrize("options", [{}, {"state": "w"}])
+def test_a_step_failing_on_an_argument_sliced_by_its_leading_axis_says_so(options):
+    """A full table whose length is num_steps is read as per-step (rule `leading-axis`) and
+    the step then fails on a slice with JAX's bare error (numpyro's SVI docstring model, a
+    full batch of 4 at num_steps=4): a note names the arguments read so and the
+    `broadcast=` that settles it, which then runs as `jax.jit` does."""
+    w, table, xs = jnp.ones(2), jnp.arange(8.0).reshape(4, 2), jnp.ones((4, 2))
+    with pytest.raises(ValueError, match="out of bounds") as info:
+        autoflat.step(_uses_a_table, num_steps=4, **options)(w, table, xs)
+    note = info.value.__notes__[-1]
+    assert "autoflat read `table`, `x` as per-step by the leading axis alone (4 = num_steps)" in note
+    assert note.endswith("@autoflat.step(num_steps=4, broadcast='table')")
+    step = autoflat.step(_uses_a_table, num_steps=4, broadcast="table", **options)
+    got, outs = step(w, table, xs)
+    want = w
+    for x in xs:
+        want, _ = jax.jit(_uses_a_table)(want, table, x)
+    np.testing.assert_allclose(autoflat.unwrap(got), want, rtol=1e-6)

@@ -3062,13 +3062,23 @@ def _get_updates(params, opt_state, batch):
     return updates, opt_state
 
 
+_DECAY_LAST = optax.chain(optax.adam(0.1), optax.add_decayed_weights(1e-2))
+
+
+def _get_decayed_updates(params, opt_state, batch):
+    # the decay is the last operation: it takes `params`' own arrays, and still gives updates
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates, opt_state = _DECAY_LAST.update(grads, opt_state, params)
+    return updates, opt_state
+
+
 def _scaled_gradients(params, batch):
     grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
     updates = jax.tree.map(lambda g: -0.1 * g, grads)
     return updates
 
 
-@pytest.mark.parametrize("fn", [_get_updates, _scaled_gradients])
+@pytest.mark.parametrize("fn", [_get_updates, _get_decayed_updates, _scaled_gradients])
 def test_an_optimizers_updates_are_not_the_new_parameters(fn):
     """`updates, opt_state = tx.update(grads, opt_state)` and `updates = jax.tree.map(f,
     grads)` are gradients transformed: at num_steps=4 they were matched by value as the new
@@ -3076,7 +3086,8 @@ def test_an_optimizers_updates_are_not_the_new_parameters(fn):
     per-step outputs, and `params` is broadcast, as in four `jax.jit` calls."""
     params = {"w": jnp.ones(3)}
     xs = jax.random.normal(jax.random.key(0), (4, 2, 3))
-    rest = (_TX.init(params),) if fn is _get_updates else ()
+    tx = {_get_updates: _TX, _get_decayed_updates: _DECAY_LAST}.get(fn)
+    rest = (tx.init(params),) if tx is not None else ()
     step = autoflat.step(fn, num_steps=4)
     got = autoflat.unwrap(step(params, *rest, xs))
     assert "params: broadcast" in autoflat.show(step)

@@ -9,6 +9,7 @@ arrays in as broadcast inputs; a Flax NNX module's `self` is state, written back
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -436,3 +437,11 @@ def test_a_jax_jit_of_a_bound_method_is_the_method_step(k):
             got = step(got, xs[i] if k == 1 else xs[i : i + k])
         np.testing.assert_allclose(autoflat.unwrap(got), want, rtol=1e-6)
         assert "# self: broadcast (the method's instance" in autoflat.show(step)
+    # inside a partial or another jit: the instance bound as a partial binds it
+    method = _Solver.update.__get__(solver)
+    for wrapped in (functools.partial(jax.jit(method)), jax.jit(jax.jit(method))):
+        step = autoflat.step(wrapped, num_steps=k)
+        got = jnp.zeros(3)
+        for i in range(0, 4, k):
+            got = step(got, xs[i] if k == 1 else xs[i : i + k])
+        np.testing.assert_allclose(autoflat.unwrap(got), want, rtol=1e-6)

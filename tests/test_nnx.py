@@ -198,6 +198,66 @@ def test_a_submodule_the_step_adds_reaches_the_callers_model(fn):
     _assert_same([got_model], [ref_model])
 
 
+class _Normed(nnx.Module):
+    def __init__(self):
+        self.l1 = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+        self.norm = nnx.BatchNorm(3, use_running_average=True, rngs=nnx.Rngs(0))
+        self.extra = nnx.Linear(3, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.norm(self.l1(x))
+
+
+def _reshapes(model, x):
+    if isinstance(model.norm, nnx.BatchNorm):
+        model.norm = nnx.LayerNorm(3, rngs=nnx.Rngs(1))  # replaced by another type
+    if hasattr(model, "extra"):
+        del model.extra
+    model.norm.scale[...] = model.norm.scale[...] + 0.1
+    return (model(x) ** 2).sum()
+
+
+def test_a_submodule_the_step_replaces_or_deletes_is_so_in_the_callers_model():
+    """Found by review: a submodule replaced by one of another type stayed the caller's
+    old one (only its Variables overwritten), and a deleted one stayed."""
+    xs = jax.random.normal(jax.random.key(0), (3, 5, 4))
+    ref, got = _Normed(), _Normed()
+    want = [float(nnx.jit(_reshapes)(ref, x)) for x in xs]
+    step = autoflat.step(_reshapes)
+    np.testing.assert_allclose([float(step(got, x)) for x in xs], want, rtol=1e-6)
+    assert isinstance(got.norm, nnx.LayerNorm) and not hasattr(got, "extra")
+    _assert_same([got], [ref])
+
+
+def _aliases(model, x):
+    if not hasattr(model, "again"):
+        model.again = model.l1
+    model.again.kernel[...] = model.again.kernel[...] * 0.5
+    return model(x).sum()
+
+
+def test_a_node_the_step_stores_twice_is_a_clear_error_and_works_stored_before():
+    """`model.again = model.l1` in the step: carried as a pytree, the two would come back as
+    two copies updated apart (silently, found by review); a clear error, nothing changed,
+    and the fix it gives (store it twice before the first call) equals `nnx.jit`."""
+    xs, _ = _data(3)
+    model, _, _ = make()
+    model.eval()
+    kernel = np.asarray(model.l1.kernel[...])
+    with pytest.raises(autoflat.StateError, match=r"`model\.again\..*` \(stored twice"):
+        autoflat.step(_aliases)(model, xs[0])
+    np.testing.assert_array_equal(model.l1.kernel[...], kernel)
+    assert not hasattr(model, "again")
+    ref, _, _ = make()
+    ref.eval()
+    want = [float(nnx.jit(_aliases)(ref, x)) for x in xs]
+    model.again = model.l1
+    step = autoflat.step(_aliases)
+    np.testing.assert_allclose([float(step(model, x)) for x in xs], want, rtol=1e-6)
+    assert model.again is model.l1
+    _assert_same([model], [ref])
+
+
 def test_a_model_given_back_after_a_call_with_a_handle_is_the_callers_own():
     """A step first called with another step's handle of a model, then with a model of the
     same class: the second is the caller's own object, given back (the roles settled for

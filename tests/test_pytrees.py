@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,3 +169,52 @@ def test_a_dict_whose_missing_attributes_raise_key_error(k):
         jnp.concatenate([jnp.atleast_1d(m["loss"]) for m in losses]), ref_losses, rtol=1e-5
     )
     np.testing.assert_allclose(state.w[...], refs.w[...], rtol=1e-5)
+
+
+@jax.tree_util.register_pytree_node_class
+class _CheckedScale:
+    """As jmp's loss scales: the class checks its leaf when built (jax.jit never builds it
+    around anything but arrays and tracers)."""
+
+    def __init__(self, scale):
+        if isinstance(scale, tuple):
+            raise TypeError("a loss scale must be an array")
+        if isinstance(scale, int):
+            warnings.warn("Expected floating type for loss_scale", UserWarning, stacklevel=2)
+        self.scale = jnp.asarray(scale) if isinstance(scale, float) else scale
+
+    def tree_flatten(self):
+        return (self.scale,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def _scaled(w, ls, x):
+    g = jax.grad(lambda w: jnp.sum((w - x) ** 2) * ls.scale)(w) / ls.scale
+    return w - 0.1 * g, _CheckedScale(jnp.minimum(ls.scale * 2.0, 2.0**16)), ls.scale
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_class_that_checks_its_leaves_is_never_built_around_placeholders(k):
+    """A class checking its leaves when built (dm-haiku's imagenet example's jmp loss scale):
+    autoflat's bookkeeping rebuilt it around (shape, dtype) tuples (a TypeError where
+    `jax.jit` runs) and, describing a structure, around int placeholders (a warning)."""
+    xs = jnp.ones((4, 3))
+    want = (jnp.ones(3), _CheckedScale(2.0**15))
+    for i in range(4):
+        want = jax.jit(_scaled)(*want, xs[i])[:2]
+    step = autoflat.step(_scaled, num_steps=k)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = (jnp.ones(3), _CheckedScale(2.0**15))
+        for i in range(0, 4, k):
+            got = step(*got, xs[i] if k == 1 else xs[i : i + k])[:2]
+    tree_allclose(autoflat.unwrap(got), want)
+    # as a per-step input
+    assert jnp.shape(autoflat.step(lambda_free_scale)(_CheckedScale(jnp.ones(3)), 2.0)) == (3,)
+
+
+def lambda_free_scale(ls, x):
+    return ls.scale * x

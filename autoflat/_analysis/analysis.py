@@ -170,19 +170,21 @@ def _describe_return(
                 of = gradient_of(el)
                 if of:
                     grads.append((i, tuple(sorted(of))))
-                if isinstance(el, cst.Name) and updated.get(el.value):
-                    updates.append((i, tuple(sorted(updated[el.value]))))
+                if isinstance(el, cst.Name) and el.value in updated:
+                    at, by = updated[el.value]
+                    updates.append((i, tuple(sorted(at)), tuple(sorted(by))))
         return Return(
             line, "tuple", tuple(names), gradients=tuple(grads), updates=tuple(updates), nest=nest
         )
     of = gradient_of(value)
     up = updated.get(value.value) if isinstance(value, cst.Name) else None
+    single = ((0, tuple(sorted(up[0])), tuple(sorted(up[1]))),) if up else ()
     return Return(
         line,
         "single",
         (value.value if isinstance(value, cst.Name) else None,),
         gradients=((0, tuple(sorted(of))),) if of else (),
-        updates=((0, tuple(sorted(up))),) if up else (),
+        updates=single,
         derivative=isinstance(value, cst.Call) and reading.derivative(value) is not None,
     )
 

@@ -86,11 +86,12 @@ def _mapped_alone(
 
 def _optimizer_update(
     targets: list[cst.BaseExpression], value: cst.BaseExpression, names: Collection[str]
-) -> list[tuple[str, str]]:
-    """(name bound, the name it comes from) for `u, s = tx.update(grads, s, params)` with
-    one of `names` as the first argument (or `updates=`, optax's name for it): an optax
-    optimizer's updates, or a hand-written optimizer's new parameters, which only the
-    step's data flow tells apart."""
+) -> list[tuple[str, str, str]]:
+    """(name bound, the name it comes from, the optimizer as written: `_optimizer`) for `u,
+    s = tx.update(grads, s, params)` with one of `names` as the first argument (or
+    `updates=`, optax's name for it): an optax optimizer's updates, or a hand-written
+    optimizer's new parameters, which the optimizer's type or the step's data flow tells
+    apart (`_roles.infer`)."""
     if not isinstance(value, cst.Call) or not isinstance(value.func, cst.Attribute):
         return []
     if value.func.attr.value != "update" or not value.args or value.args[0].star:
@@ -100,13 +101,24 @@ def _optimizer_update(
     first = value.args[0] if keyword is None else given[0] if given else None
     if first is None or not isinstance(first.value, cst.Name) or first.value.value not in names:
         return []
+    optimizer = _optimizer(value.func.value)
     return [
-        (t.elements[0].value.value, first.value.value)
+        (t.elements[0].value.value, first.value.value, optimizer)
         for t in targets
         if isinstance(t, (cst.Tuple, cst.List))
         and len(t.elements) == 2
         and isinstance(t.elements[0].value, cst.Name)
     ]
+
+
+def _optimizer(node: cst.BaseExpression) -> str:
+    """The object whose `update` is called, as the first call can look it up: its dotted name
+    (`tx`, `state.tx`, `self.tx`), or `call:` and the dotted name of the function a call of
+    it is (`optax.adam(1e-3).update(...)`); empty for anything else."""
+    if isinstance(node, cst.Call):
+        name = _dotted(node.func)
+        return f"call:{'.'.join(name)}" if name else ""
+    return ".".join(_dotted(node))
 
 
 _TREE_MAPS = (["tree", "map"], ["tree_util", "tree_map"], ["jax", "tree_map"], ["tree_map"])
@@ -165,17 +177,20 @@ class Gradients:
         parameters they are gradients at."""
         return self._readings()[0]
 
-    def updates(self) -> dict[str, frozenset[str]]:
+    def updates(self) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
         """The names every binding binds to what an optimizer's `update` gives for gradients
         (`updates, opt_state = tx.update(grads, opt_state)`), each with the parameters the
-        gradients are taken at: an optax optimizer's updates, or a hand-written one's new
-        parameters (`infer` asks the data flow)."""
+        gradients are taken at and the optimizers as written (`_optimizer`): an optax
+        optimizer's updates, or a hand-written one's new parameters (`_roles.infer` tells)."""
         return self._readings()[1]
 
-    def _readings(self) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[str]]]:
+    def _readings(
+        self,
+    ) -> tuple[dict[str, frozenset[str]], dict[str, tuple[frozenset[str], frozenset[str]]]]:
         counts: dict[str, int] = {}
         of: dict[str, frozenset[str]] = {}
         updated: dict[str, frozenset[str]] = {}
+        by: dict[str, frozenset[str]] = {}  # the optimizers each updated name comes from
         for targets, value in self.assignments:
             derivative = self.derivative(value)
             if derivative is None or not isinstance(value, cst.Call):
@@ -190,9 +205,11 @@ class Gradients:
                 counts[n] = counts.get(n, 0) + 1
                 into = updated if g in updated else of
                 into[n] = into.get(n, frozenset()) | into[g]
-            for n, g in _optimizer_update(targets, value, of.keys() | updated.keys()):
+                by[n] = by.get(n, frozenset()) | by.get(g, frozenset())
+            for n, g, optimizer in _optimizer_update(targets, value, of.keys() | updated.keys()):
                 counts[n] = counts.get(n, 0) + 1
                 updated[n] = updated.get(n, frozenset()) | of.get(g, updated.get(g, frozenset()))
+                by[n] = by.get(n, frozenset()) | by.get(g, frozenset()) | {optimizer}
         full = {n for n, c in counts.items() if c == self.bindings.get(n)}
         grads = {n: of[n] for n in full if n in of and n not in updated}
-        return grads, {n: updated[n] for n in full if n in updated}
+        return grads, {n: (updated[n], by[n]) for n in full if n in updated}

@@ -40,10 +40,11 @@ class Return:
     # parameters, however alike their abstract values (a previous gradient may be).
     gradients: tuple[tuple[int, tuple[str, ...]], ...] = ()
     # Positions that return an optimizer's `update` of gradients (`updates, opt_state =
-    # tx.update(grads, opt_state)`), with the parameters the gradients are taken at: the new
-    # value of those only where the data flow says so (a hand-written optimizer's new
-    # parameters, `p - lr * g`), never optax's updates.
-    updates: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    # tx.update(grads, opt_state)`), with the parameters the gradients are taken at and the
+    # optimizers as written (`tx`, `state.tx`, `call:optax.adam`): never the new value of
+    # those parameters where an optimizer is optax's, else only where the data flow says so
+    # (a hand-written optimizer's new parameters, `p - lr * g`).
+    updates: tuple[tuple[int, tuple[str, ...], tuple[str, ...]], ...] = ()
     # Tuples written inside the returned tuple where a parameter comes back by name (`return
     # (params, opt_state), loss`): per element, None or the nest of the tuple written there, the
     # same in every return. Such tuples are looked into: their items are return positions of
@@ -115,7 +116,7 @@ def renested(r: Return, nest: tuple[Any, ...] | None) -> Return:
 
     walk(r.nest, nest)
     gradients = tuple((new_index[i], ps) for i, ps in r.gradients if i in new_index)
-    updates = tuple((new_index[i], ps) for i, ps in r.updates if i in new_index)
+    updates = tuple((new_index[i], ps, by) for i, ps, by in r.updates if i in new_index)
     return dataclasses.replace(
         r, names=tuple(names), gradients=gradients, updates=updates, nest=nest
     )

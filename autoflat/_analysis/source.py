@@ -108,6 +108,9 @@ def _unwrap(fn: Any) -> tuple[Callable[..., Any], Bound]:
             at = location_of(_innermost(wrapped))
             raise error(SourceError, JIT_OPTIONS, at, options=options, wrapper=kind)
         fn = wrapped
+        if inspect.ismethod(fn):  # partial(jax.jit(model.train_step), ...): as a partial's
+            args = (fn.__self__, *args)
+            fn = fn.__func__
     return fn, Bound(args, keywords)
 
 

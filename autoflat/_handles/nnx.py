@@ -407,6 +407,25 @@ def variables_of(
     return out
 
 
+def shared_anew(value: Any) -> tuple[str, str] | None:
+    """(first path, second path) of an nnx.Variable reachable twice in `value`, a Flax NNX
+    object, or None."""
+    from flax import nnx
+
+    if not is_mutable_module(value):
+        return None
+    found = jax.tree_util.tree_flatten_with_path(
+        value, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )[0]
+    first: dict[int, str] = {}
+    for path, leaf in found:
+        if isinstance(leaf, nnx.Variable):
+            seen = first.setdefault(id(leaf), jax.tree_util.keystr(path))
+            if seen != jax.tree_util.keystr(path):
+                return seen, jax.tree_util.keystr(path)
+    return None
+
+
 def opaque_module(value: Any) -> tuple[str, Any] | None:
     """(path, object) of a Flax NNX object that JAX flattens as one leaf (a module declared
     `pytree=False`) in `value`, or None."""

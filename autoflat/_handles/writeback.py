@@ -144,15 +144,19 @@ def write_back(target: Any, new: Any, param: str, analysis: Analysis) -> None:
 
 
 def _set_static_attributes(target: Any, new: Any) -> None:
-    """Flax NNX: the attributes that are not Variables, modules or arrays (`self.n += 1` on a
-    Python int, `deterministic` set by `model.eval()`) that the step changed, and any
-    attribute it set anew (a submodule or Variable it added: `model.head = nnx.Linear(...)`),
-    set in the caller's own modules, as `nnx.jit` leaves them (`nnx.update` sets the
-    Variables the caller's modules have)."""
+    """Flax NNX: what the step changed in the caller's modules' structure, as `nnx.jit` leaves
+    it (`nnx.update` then sets the Variables): an attribute that is not a Variable, module or
+    array that it changed (`self.n += 1` on a Python int, `deterministic` set by
+    `model.eval()`); an attribute it set anew, or a submodule or Variable it replaced by one
+    of another type (`model.head = nnx.Linear(...)`), as the object the step left there, or
+    the caller's own where that is another of the caller's nodes (`model.b = model.a`); a
+    submodule or Variable it deleted."""
     from flax import nnx
 
     nodes = dict(nnx.iter_graph(new))
-    for path, node in nnx.iter_graph(target):
+    ours = dict(nnx.iter_graph(target))
+    where = _node_paths(new)
+    for path, node in list(ours.items()):
         other = nodes.get(path)
         if not is_mutable_module(node) or type(other) is not type(node):
             continue
@@ -160,8 +164,39 @@ def _set_static_attributes(target: Any, new: Any) -> None:
         for name, value in vars(other).items():
             if name.startswith("_"):
                 continue
-            if name not in mine or not (_holds_state(value) or _same(mine[name], value)):
-                setattr(node, name, value)  # (set anew by the step, or changed)
+            if name not in mine or (_graph_node(value) and type(mine[name]) is not type(value)):
+                at = (*path, name)
+                same = [q for q in where.get(id(value), ()) if q != at and q in ours]
+                setattr(node, name, ours[same[0]] if same else value)
+            elif not (_holds_state(value) or _same(mine[name], value)):
+                setattr(node, name, value)  # (changed by the step)
+        for name in [n for n, v in mine.items() if _graph_node(v) and n not in vars(other)]:
+            delattr(node, name)
+
+
+def _graph_node(value: Any) -> bool:
+    from flax import nnx
+
+    return is_mutable_module(value) or isinstance(value, nnx.Variable)
+
+
+def _node_paths(root: Any) -> dict[int, list[tuple[Any, ...]]]:
+    """Every path (as `nnx.iter_graph` writes paths) at which each module or Variable is
+    reachable through module attributes, by id: a node the step stored twice has two."""
+    found: dict[int, list[tuple[Any, ...]]] = {}
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+        if not _graph_node(obj):
+            return
+        seen = id(obj) in found
+        found.setdefault(id(obj), []).append(path)
+        if not seen and is_mutable_module(obj):
+            for name, value in vars(obj).items():
+                if not name.startswith("_"):
+                    walk(value, (*path, name))
+
+    walk(root, ())
+    return found
 
 
 def _holds_state(value: Any) -> bool:

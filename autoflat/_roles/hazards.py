@@ -21,7 +21,7 @@ Readings of returned state autoflat will not choose between are `state_hazards`'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from .._errors import (
     MIXED_ARGUMENT,
     MIXED_VARIADIC,
     NNX_NESTED,
+    PER_STEP_BY_SHAPE_NOTE,
     PER_STEP_OR_STATE,
     RAW_KEY_OR_PER_STEP,
     REBOUND_PER_STEP,
@@ -421,6 +422,24 @@ def _short_first_chunk(
                     num_steps=num_steps,
                 )
     return None
+
+
+def note_per_step_by_shape(e: BaseException, names: Sequence[str], num_steps: int) -> None:
+    """Add to the step's own error `e` that `names` were read per-step by their leading axis
+    alone (rule `leading-axis`), with the `broadcast=` that says otherwise: a full batch
+    whose length is `num_steps` fails in the step as a bare indexing error."""
+    if not names or num_steps == 1 or not isinstance(e, Exception):
+        return
+    one = len(names) == 1
+    note = PER_STEP_BY_SHAPE_NOTE.format(
+        names=", ".join(f"`{n}`" for n in names),
+        num_steps=num_steps,
+        them="it" if one else "each",
+        which="it is" if one else "one of them is",
+        declared=repr(names[0]),
+    )
+    if note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
 
 
 def refuse_nested_modules(

@@ -63,7 +63,7 @@ from .._errors import (
 )
 from .._handles.nnx import opaque_module
 from .._handles.writeback import is_mutable_module
-from .._transport.structure import is_array
+from .._transport.structure import attribute, is_array
 from . import matching as _matching
 from . import names as _names
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
@@ -75,6 +75,7 @@ from .hazards import (
     check_written_per_step,
     gives_back_whole,
     leading_axis_error,
+    note_per_step_by_shape,
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
@@ -175,6 +176,7 @@ class Inference:
             if p not in options.explicit | self.by_source | self.mutable and p not in options.state
         ]
         self.kinds: dict[str, Role] = {}  # open parameters' roles before matching
+        self.by_shape: list[str] = []  # of them, those per-step by their leading axis alone
         # Errors about an argument's leading axes wait until state is matched by value: a state
         # argument returned under another name may have leaves of any leading axis.
         self.deferred: dict[str, Exception] = {}
@@ -223,6 +225,7 @@ class Inference:
                     self.options, e,
                 )  # fmt: skip
                 self._probe_sliced(e)
+                note_per_step_by_shape(e, self.by_shape, self.num_steps)
                 raise
         return self.out
 
@@ -298,6 +301,8 @@ class Inference:
                 self.kinds[p] = "broadcast"  # a state candidate for now
             else:
                 self.kinds[p] = found.role
+                if found.rule == "leading-axis":
+                    self.by_shape.append(p)
         for p in self.params:
             if p in self.mutable:
                 self.kinds[p] = "state"
@@ -540,14 +545,15 @@ class Inference:
             self.analysis, params, values, self.pending, left, outs, self.declared, places,
             alike, self.flow_of(returned), returned.names, self.gradients(),
         )  # fmt: skip
-        updates: dict[int, set[str]] = {}
-        for pos, at in returned.updates:
-            updates.setdefault(pos, set()).update(at)
-        for p, (pos, _) in list(by_value.items()):
-            if p in updates.get(pos, ()) and p not in self.flow_of(returned)()[pos].direct:
+        for pos, at, by in returned.updates:
+            p = next((p for p in at if by_value.get(p, (None,))[0] == pos), None)
+            if p is not None and (
+                any(_optax_object(self._look_up(o)) for o in by)
+                or p not in self.flow_of(returned)()[pos].direct
+            ):
                 # An optimizer's updates at `p`'s gradients (`updates, opt_state =
-                # tx.update(grads, opt_state)`) whose last operation does not take `p`'s own
-                # arrays: optax's updates, not a hand-written optimizer's `p - lr * g`.
+                # tx.update(grads, opt_state)`): optax's, or any whose last operation does
+                # not take `p`'s own arrays; not a hand-written optimizer's `p - lr * g`.
                 del by_value[p]
         instance = self.options.instance
         if (
@@ -567,6 +573,22 @@ class Inference:
             flows_traced, self.fn, self.params, self.values, self.for_eval, self.num_steps,
             lambda o: positions_of(returned, o),
         )  # fmt: skip
+
+    def _look_up(self, written: str) -> Any:
+        """The object `written` (`tx`, `state.tx`, or `call:optax.adam` for the function) names
+        at the first call: a parameter's value, the step's closure or globals; None if none."""
+        dotted = written.removeprefix("call:").split(".")
+        fn = self.fn
+        scope = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
+        if dotted[0] in self.values:
+            obj = self.values[dotted[0]]
+        elif dotted[0] in scope:
+            obj = _cell(scope[dotted[0]])
+        else:
+            obj = fn.__globals__.get(dotted[0])
+        for name in dotted[1:]:
+            obj = attribute(obj, name)
+        return obj
 
     def gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,
@@ -697,6 +719,23 @@ class Inference:
             if pos is not None:
                 found.append((p, pos))
         return tuple(found)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (not yet bound)
+        return None
+
+
+def _optax_object(obj: Any) -> bool:
+    """Whether `obj` is optax's: an optimizer (`GradientTransformation`, `MultiSteps`) or a
+    function of optax (`optax.adam`, whose call gives one)."""
+    if obj is None:
+        return False
+    module = obj.__module__ if callable(obj) and hasattr(obj, "__name__") else None
+    module = module or type(obj).__module__
+    return isinstance(module, str) and module.split(".")[0] == "optax"
 
 
 def _has_arrays(value: Any) -> bool:

@@ -43,6 +43,7 @@ from .._transport.structure import (
     flatten,
     intern,
     is_array,
+    leaf_paths,
     placement_of,
 )
 from .donation import (
@@ -401,7 +402,7 @@ def _with_arrays(
 def _at_paths_of(value: Any, treedef: Any, indices: tuple[int, ...]) -> tuple[int, ...]:
     """The leaves of `value` at the key paths (`jax.tree_util.keystr`) where `treedef`'s
     leaves `indices` sit; none where `treedef` cannot be rebuilt to read its paths."""
-    paths = _leaf_paths(treedef)
+    paths = leaf_paths(treedef)
     if paths is None:
         return ()
     wanted = {paths[i] for i in indices}
@@ -409,13 +410,6 @@ def _at_paths_of(value: Any, treedef: Any, indices: tuple[int, ...]) -> tuple[in
     return tuple(i for i, (path, _) in enumerate(found) if jax.tree_util.keystr(path) in wanted)
 
 
-def _leaf_paths(treedef: Any) -> tuple[str, ...] | None:
-    try:
-        dummy = treedef.unflatten(range(treedef.num_leaves))
-        found = jax.tree_util.tree_flatten_with_path(dummy)[0]
-    except Exception:
-        return None
-    return tuple(jax.tree_util.keystr(path) for path, _ in found)
 
 
 def _take_broadcast(

@@ -82,7 +82,10 @@ class Diagnostics:
         """Called while tracing `spec` with `inputs` (the leaves the compiled program takes);
         gives the counters that the trace adds to."""
         self.stats.traces += 1
-        shapes = jax.tree_util.tree_map(lambda t: (t.shape, t.dtype, _jax.weak_type(t)), inputs)
+        # (leaves and their tree apart: mapped back into the tree, a user's class would be
+        # rebuilt around these tuples, and its own checks may refuse them: jmp's loss scales)
+        leaves, tree = jax.tree_util.tree_flatten(inputs)
+        shapes = (tree, tuple((t.shape, t.dtype, _jax.weak_type(t)) for t in leaves))
         key = (spec, shapes)
         change = describe_change(self._last_key, key) if self._last_key is not None else ""
         if change:

@@ -29,6 +29,7 @@ from .._errors import (
     error,
 )
 from .._handles.lazy import LazyHandle
+from .._roles.hazards import note_per_step_by_shape
 from .._transport.structure import is_array
 from .entry import calls_back
 from .entry import landed as landed_result
@@ -108,6 +109,9 @@ def _failed(step: Any, call: Call, e: BaseException) -> None:
     if isinstance(e, TypeError):
         _raise_if_not_arrays(step, call, e)
     program = call.program
+    scanned = program.roles.of("scanned")
+    by_shape = [scanned[k] for k in program.by_shape_scanned]
+    note_per_step_by_shape(e, by_shape, step.num_steps)
     _loading.rewrite_traceback(
         e,
         program.generated,

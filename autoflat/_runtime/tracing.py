@@ -28,6 +28,7 @@ import numpy as np
 from .. import _jax
 from .._errors import (
     BAD_SCAN_LENGTH,
+    NNX_SHARED_ANEW,
     PER_STEP_AFTER_BROADCAST,
     PER_STEP_ECHO,
     STRUCTURE_BROADCAST,
@@ -38,6 +39,7 @@ from .._errors import (
     STRUCTURE_RETURNED_PER_STEP,
     STRUCTURE_SCALAR,
     ShapeError,
+    StateError,
     error,
 )
 from .._handles import nnx as _nnx
@@ -126,6 +128,12 @@ def _flat(spec: Any, index: int, value: Any) -> FlatState:
     if type(value) is LazyHandle:
         value = LazyHandle._af_get(value)
     structure, arrays = flatten(value)
+    if not (spec.links and spec.links[index]):
+        shared = _nnx.shared_anew(value)
+        if shared is not None:
+            param = spec.program.roles.state[index]
+            first, second = (f"{param}{path}" for path in shared)
+            raise error(StateError, NNX_SHARED_ANEW, spec.fn, first=first, second=second)
     expected = spec.structures[index]
     if structure is not expected and structure.key == expected.key:
         structure = expected  # equal, though interned apart (after `autoflat.clear_caches()`)

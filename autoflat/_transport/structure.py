@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -321,7 +322,8 @@ def describe_difference(
         if lines:
             more = f"\n  ... ({len(lines) - 10} more)" if len(lines) > 10 else ""
             return "\n".join(lines[:10]) + more
-        node = _node_difference(_dummy(before), _dummy(after))
+        b_dummy, a_dummy = _dummy(before.treedef), _dummy(after.treedef)
+        node = None if _NO_DUMMY in (b_dummy, a_dummy) else _node_difference(b_dummy, a_dummy)
         if node is not None:
             return f"  {name}{node}"
         return f"  tree structure: {before.treedef}\n  became:         {after.treedef}"
@@ -378,14 +380,34 @@ def _short(value: Any, limit: int = 300) -> str:
 
 
 def _paths(structure: Structure) -> list[str]:
-    """The path of every leaf of a value of `structure`, as `jax.tree_util.keystr` writes it."""
-    paths = jax.tree_util.tree_flatten_with_path(_dummy(structure))[0]
-    return [jax.tree_util.keystr(p) for p, _ in paths]
+    """The path of every leaf of a value of `structure`, as `jax.tree_util.keystr` writes it
+    (none where a class of it refuses placeholder leaves)."""
+    return list(leaf_paths(structure.treedef) or ())
 
 
-def _dummy(structure: Structure) -> Any:
-    """A value of `structure` with placeholder leaves (their positions)."""
-    return structure.treedef.unflatten(list(range(len(structure.static_leaves))))
+def leaf_paths(treedef: Any) -> tuple[str, ...] | None:
+    """The path of every leaf of `treedef` (`jax.tree_util.keystr`), or None where a class
+    of it refuses placeholder leaves."""
+    dummy = _dummy(treedef)
+    if dummy is _NO_DUMMY:
+        return None
+    found = jax.tree_util.tree_flatten_with_path(dummy)[0]
+    return tuple(jax.tree_util.keystr(path) for path, _ in found)
+
+
+_NO_DUMMY = object()
+
+
+def _dummy(treedef: Any) -> Any:
+    """A value of `treedef` with placeholder leaves (their positions), built quietly: a
+    user's class may check its leaves when built (jmp's loss scales warn about an int), or
+    refuse them (then `_NO_DUMMY`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return treedef.unflatten(list(range(treedef.num_leaves)))
+        except Exception:
+            return _NO_DUMMY
 
 
 def static_changed(before: Structure, after: Structure) -> bool:
