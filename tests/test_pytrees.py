@@ -4,9 +4,8 @@ register_dataclass dataclasses, None leaves, Python scalars, mixed dtypes, PRNG 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
