@@ -1003,7 +1003,9 @@ def test_a_step_failing_on_an_argument_sliced_by_its_leading_axis_says_so(option
     with pytest.raises(ValueError, match="out of bounds") as info:
         autoflat.step(_uses_a_table, num_steps=4, **options)(w, table, xs)
     note = info.value.__notes__[-1]
-    assert "autoflat read `table`, `x` as per-step by the leading axis alone (4 = num_steps)" in note
+    assert (
+        "autoflat read `table`, `x` as per-step by the leading axis alone (4 = num_steps)" in note
+    )
     assert note.endswith("@autoflat.step(num_steps=4, broadcast='table')")
     step = autoflat.step(_uses_a_table, num_steps=4, broadcast="table", **options)
     got, outs = step(w, table, xs)

@@ -410,8 +410,6 @@ def _at_paths_of(value: Any, treedef: Any, indices: tuple[int, ...]) -> tuple[in
     return tuple(i for i, (path, _) in enumerate(found) if jax.tree_util.keystr(path) in wanted)
 
 
-
-
 def _take_broadcast(
     step: Any, program: Program, args: tuple[Any, ...]
 ) -> tuple[list[Structure], tuple[list[Any], ...]]:
