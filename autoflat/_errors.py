@@ -788,8 +788,8 @@ optimizer holding the model's Variables, a submodule stored twice, tied weights)
 
 PER_STEP_BY_SHAPE_NOTE = """\
 autoflat read {names} as per-step by the leading axis alone ({num_steps} = num_steps): each \
-step saw one slice of {them}. If {which} the same for every step (a full batch, a table), \
-say so: @autoflat.step(num_steps={num_steps}, broadcast={declared})"""
+step saw one slice of {them}. If the error comes from {which} the same for every step (a \
+full batch, a table), say so: @autoflat.step(num_steps={num_steps}, broadcast={declared})"""
 
 NNX_SHARED_ANEW = """\
 `{name}` ({where}): the step leaves one Flax NNX node reachable as `{first}` and as \

@@ -229,6 +229,41 @@ def test_a_submodule_the_step_replaces_or_deletes_is_so_in_the_callers_model():
     _assert_same([got], [ref])
 
 
+class _Blocks(nnx.Module):
+    def __init__(self):
+        self.blocks = nnx.List([nnx.Linear(4, 4, rngs=nnx.Rngs(i)) for i in range(2)])
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum()
+
+
+def _pops(model, x):
+    if len(model.blocks) == 2:
+        model.blocks.pop()
+    return model(x)
+
+
+def _appends(model, x):
+    model.blocks.append(nnx.Linear(4, 4, rngs=nnx.Rngs(5)))
+    return model(x)
+
+
+@pytest.mark.parametrize("fn", [_pops, _appends])
+def test_an_nnx_list_the_step_changes_is_so_in_the_callers_model(fn):
+    """`model.blocks.pop()` / `.append(...)` on an `nnx.List` in the step (found by review):
+    the caller's list must end as `nnx.jit` leaves it, its length with it (a pop left the list
+    broken, an append was never seen)."""
+    x = jnp.ones((3, 4))
+    ref, got = _Blocks(), _Blocks()
+    want = [float(nnx.jit(fn)(ref, x)) for _ in range(3)]
+    step = autoflat.step(fn)
+    np.testing.assert_allclose([float(step(got, x)) for _ in range(3)], want, rtol=1e-6)
+    assert len(got.blocks) == len(ref.blocks) == len(list(got.blocks))
+    _assert_same([got], [ref])
+
+
 def _aliases(model, x):
     if not hasattr(model, "again"):
         model.again = model.l1

@@ -162,8 +162,8 @@ def _set_static_attributes(target: Any, new: Any) -> None:
             continue
         mine = vars(node)
         for name, value in vars(other).items():
-            if name.startswith("_"):
-                continue
+            if name.startswith("_pytree__"):
+                continue  # (Flax's own bookkeeping; `nnx.List`'s `_length` is the list's)
             if name not in mine or (_graph_node(value) and type(mine[name]) is not type(value)):
                 at = (*path, name)
                 same = [q for q in where.get(id(value), ()) if q != at and q in ours]
@@ -171,7 +171,7 @@ def _set_static_attributes(target: Any, new: Any) -> None:
             elif not (_holds_state(value) or _same(mine[name], value)):
                 setattr(node, name, value)  # (changed by the step)
         for name in [n for n, v in mine.items() if _graph_node(v) and n not in vars(other)]:
-            delattr(node, name)
+            delattr(node, name)  # (`nnx.List.pop()`: its `_length` was set above)
 
 
 def _graph_node(value: Any) -> bool:

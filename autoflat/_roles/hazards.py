@@ -435,8 +435,8 @@ def note_per_step_by_shape(e: BaseException, names: Sequence[str], num_steps: in
         names=", ".join(f"`{n}`" for n in names),
         num_steps=num_steps,
         them="it" if one else "each",
-        which="it is" if one else "one of them is",
-        declared=repr(names[0]),
+        which="its being" if one else "one of them being",
+        declared=repr(names[0]) if one else "<its name>",
     )
     if note not in getattr(e, "__notes__", ()):
         e.add_note(note)
