@@ -3072,13 +3072,26 @@ def _get_decayed_updates(params, opt_state, batch):
     return updates, opt_state
 
 
+_CONFIG = {"tx": _DECAY_LAST}
+
+
+def _get_updates_of_a_looked_up_optimizer(params, opt_state, batch):
+    # the optimizer written so that the first call cannot look it up: its state tells
+    grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+    updates, opt_state = _CONFIG["tx"].update(grads, opt_state, params)
+    return updates, opt_state
+
+
 def _scaled_gradients(params, batch):
     grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
     updates = jax.tree.map(lambda g: -0.1 * g, grads)
     return updates
 
 
-@pytest.mark.parametrize("fn", [_get_updates, _get_decayed_updates, _scaled_gradients])
+@pytest.mark.parametrize(
+    "fn",
+    [_get_updates, _get_decayed_updates, _get_updates_of_a_looked_up_optimizer, _scaled_gradients],
+)
 def test_an_optimizers_updates_are_not_the_new_parameters(fn):
     """`updates, opt_state = tx.update(grads, opt_state)` and `updates = jax.tree.map(f,
     grads)` are gradients transformed: at num_steps=4 they were matched by value as the new
@@ -3086,7 +3099,11 @@ def test_an_optimizers_updates_are_not_the_new_parameters(fn):
     per-step outputs, and `params` is broadcast, as in four `jax.jit` calls."""
     params = {"w": jnp.ones(3)}
     xs = jax.random.normal(jax.random.key(0), (4, 2, 3))
-    tx = {_get_updates: _TX, _get_decayed_updates: _DECAY_LAST}.get(fn)
+    tx = {
+        _get_updates: _TX,
+        _get_decayed_updates: _DECAY_LAST,
+        _get_updates_of_a_looked_up_optimizer: _DECAY_LAST,
+    }.get(fn)
     rest = (tx.init(params),) if tx is not None else ()
     step = autoflat.step(fn, num_steps=4)
     got = autoflat.unwrap(step(params, *rest, xs))

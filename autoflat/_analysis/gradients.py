@@ -102,6 +102,11 @@ def _optimizer_update(
     if first is None or not isinstance(first.value, cst.Name) or first.value.value not in names:
         return []
     optimizer = _optimizer(value.func.value)
+    rest = [a for a in value.args if a is not first and not a.star]
+    state = [a for a in rest if a.keyword is not None and a.keyword.value == "state"]
+    state = state or [a for a in rest if a.keyword is None][:1]
+    if state and _dotted(state[0].value):  # (its state, `opt_state`, tells an optax one too)
+        optimizer = f"{optimizer}|state:{'.'.join(_dotted(state[0].value))}"
     return [
         (t.elements[0].value.value, first.value.value, optimizer)
         for t in targets

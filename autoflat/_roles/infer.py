@@ -548,7 +548,7 @@ class Inference:
         for pos, at, by in returned.updates:
             p = next((p for p in at if by_value.get(p, (None,))[0] == pos), None)
             if p is not None and (
-                any(_optax_object(self._look_up(o)) for o in by)
+                any(_optax_object(self._look_up(o)) for b in by for o in b.split("|"))
                 or p not in self.flow_of(returned)()[pos].direct
             ):
                 # An optimizer's updates at `p`'s gradients (`updates, opt_state =
@@ -577,6 +577,10 @@ class Inference:
     def _look_up(self, written: str) -> Any:
         """The object `written` (`tx`, `state.tx`, or `call:optax.adam` for the function) names
         at the first call: a parameter's value, the step's closure or globals; None if none."""
+        if written.startswith("state:"):  # an optimizer's state: optax's, if it holds one
+            state = self._look_up(written.removeprefix("state:"))
+            found = jax.tree_util.tree_leaves(state, is_leaf=_optax_object)
+            return next((s for s in found if _optax_object(s)), None)
         dotted = written.removeprefix("call:").split(".")
         fn = self.fn
         scope = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
