@@ -239,3 +239,29 @@ def test_a_jax_jit_with_static_arguments_and_donation_is_taken_over(k):
         assert "# num_classes: static (static_argnames=)" in autoflat.show(step)
         assert autoflat.stats(step).traces == 1
         np.testing.assert_allclose(p0["w"], 0.0)  # the caller's arrays were not donated
+
+
+def test_a_step_of_a_user_without_flax_never_imports_it(tmp_path):
+    """autoflat looks for Flax NNX objects only where Flax is imported: a step on plain
+    arrays runs with Flax unimportable (the PAX session's environment has none; a check
+    that imported Flax to look for shared Variables broke it there)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "sys.modules['flax'] = None\n"
+        "import jax.numpy as jnp, autoflat\n"
+        "def step(w, x):\n"
+        "    w = w - 0.1 * x\n"
+        "    return w, (w * x).sum()\n"
+        "f = autoflat.step(step, num_steps=2)\n"
+        "w, s = f(jnp.ones(2), jnp.ones((2, 2)))\n"
+        "w, s = f(w, jnp.ones((2, 2)))\n"
+        "print(float(autoflat.unwrap(w)[0]))\n"
+    )
+    path = tmp_path / "no_flax.py"
+    path.write_text(script)
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert abs(float(done.stdout) - 0.6) < 1e-6  # four steps of w - 0.1 * 1

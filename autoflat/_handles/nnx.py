@@ -410,10 +410,10 @@ def variables_of(
 def shared_anew(value: Any) -> tuple[str, str] | None:
     """(first path, second path) of an nnx.Variable reachable twice in `value`, a Flax NNX
     object, or None."""
+    if not is_mutable_module(value):  # (never imports Flax: a user of another library)
+        return None
     from flax import nnx
 
-    if not is_mutable_module(value):
-        return None
     found = jax.tree_util.tree_flatten_with_path(
         value, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )[0]
