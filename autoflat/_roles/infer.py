@@ -63,7 +63,7 @@ from .._errors import (
 )
 from .._handles.nnx import opaque_module
 from .._handles.writeback import is_mutable_module
-from .._transport.structure import attribute, is_array
+from .._transport.structure import is_array
 from . import matching as _matching
 from . import names as _names
 from .abstract import SCALARS, eval_one_step, narrowed, positions_of, same_value
@@ -79,6 +79,7 @@ from .hazards import (
     raise_leading_axis_errors,
     refuse_nested_modules,
 )
+from .lookup import is_optax, look_up
 from .nesting import looked_into, whole_carry
 from .options import Options, Role
 from .roles import Roles, assign_roles
@@ -548,7 +549,7 @@ class Inference:
         for pos, at, by in returned.updates:
             p = next((p for p in at if by_value.get(p, (None,))[0] == pos), None)
             if p is not None and (
-                any(_optax_object(self._look_up(o)) for b in by for o in b.split("|"))
+                any(is_optax(look_up(self.fn, self.values, o)) for b in by for o in b.split("|"))
                 or p not in self.flow_of(returned)()[pos].direct
             ):
                 # An optimizer's updates at `p`'s gradients (`updates, opt_state =
@@ -573,26 +574,6 @@ class Inference:
             flows_traced, self.fn, self.params, self.values, self.for_eval, self.num_steps,
             lambda o: positions_of(returned, o),
         )  # fmt: skip
-
-    def _look_up(self, written: str) -> Any:
-        """The object `written` (`tx`, `state.tx`, or `call:optax.adam` for the function) names
-        at the first call: a parameter's value, the step's closure or globals; None if none."""
-        if written.startswith("state:"):  # an optimizer's state: optax's, if it holds one
-            state = self._look_up(written.removeprefix("state:"))
-            found = jax.tree_util.tree_leaves(state, is_leaf=_optax_object)
-            return next((s for s in found if _optax_object(s)), None)
-        dotted = written.removeprefix("call:").split(".")
-        fn = self.fn
-        scope = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False))
-        if dotted[0] in self.values:
-            obj = self.values[dotted[0]]
-        elif dotted[0] in scope:
-            obj = _cell(scope[dotted[0]])
-        else:
-            obj = fn.__globals__.get(dotted[0])
-        for name in dotted[1:]:
-            obj = attribute(obj, name)
-        return obj
 
     def gradients(self) -> dict[int, set[str]]:
         """Per return position, the parameters it returns gradients taken at (`return loss,
@@ -723,23 +704,6 @@ class Inference:
             if pos is not None:
                 found.append((p, pos))
         return tuple(found)
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # (not yet bound)
-        return None
-
-
-def _optax_object(obj: Any) -> bool:
-    """Whether `obj` is optax's: an optimizer (`GradientTransformation`, `MultiSteps`) or a
-    function of optax (`optax.adam`, whose call gives one)."""
-    if obj is None:
-        return False
-    module = obj.__module__ if callable(obj) and hasattr(obj, "__name__") else None
-    module = module or type(obj).__module__
-    return isinstance(module, str) and module.split(".")[0] == "optax"
 
 
 def _has_arrays(value: Any) -> bool:
